@@ -1,0 +1,1 @@
+"""lmstack: run Hugging Face-format causal language models from their checkpoint directory."""
