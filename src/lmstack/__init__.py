@@ -1,1 +1,10 @@
 """lmstack: run Hugging Face-format causal language models from their checkpoint directory."""
+
+from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
+from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
+from .model import CausalLM, CausalLMState
+
+__all__ = [
+    "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "HFConfig",
+    "ModelPlan", "SafetensorsFile", "UnsupportedModel", "plan_for",
+]

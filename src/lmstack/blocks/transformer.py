@@ -1,0 +1,113 @@
+"""The pre-norm transformer block shared by every attention family, configured by plan options."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..rope import apply_rotary
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Normalize in float32, scale in the input's dtype: the order the reference uses."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+@dataclass
+class KVCache:
+    """One layer's keys and values, preallocated for max_tokens and written in place."""
+
+    k: torch.Tensor  # (B, n_kv_heads, max_tokens, head_dim)
+    v: torch.Tensor
+
+
+@dataclass
+class AttentionContext:
+    """What every layer of one forward shares: where the new tokens go, rotary tables, masks."""
+
+    start: int  # cache slot of the first new token
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
+        self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
+        self.o = nn.Linear(n_heads * head_dim, d_model, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
+        B, L, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, L, self.n_heads, self.head_dim)
+        k = k.view(B, L, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
+        k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
+        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            end = ctx.start + L
+            cache.k[:, :, ctx.start:end] = k
+            cache.v[:, :, ctx.start:end] = v
+            k, v = cache.k[:, :, :end], cache.v[:, :, :end]
+        mask = ctx.masks[self.window]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
+            enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o(y.transpose(1, 2).reshape(B, L, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model, d_ff, act, bias):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d_model: int, options: dict, window: int | None):
+        super().__init__()
+        o = options
+        self.attn_norm = RMSNorm(d_model, o["norm_eps"])
+        self.attn = Attention(d_model, o["n_heads"], o["n_kv_heads"], o["head_dim"], o["qkv_bias"],
+                              o["o_bias"], o["qk_norm"], o["norm_eps"], window)
+        self.mlp_norm = RMSNorm(d_model, o["norm_eps"])
+        self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cache, ctx)
+        return h + self.mlp(self.mlp_norm(h))
+
+    def new_cache(self, batch: int, max_tokens: int, dtype, device) -> KVCache:
+        a = self.attn
+        shape = (batch, a.n_kv_heads, max_tokens, a.head_dim)
+        return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

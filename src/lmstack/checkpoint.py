@@ -1,0 +1,208 @@
+"""Safetensors checkpoints: one file, an explicit file, or a sharded index; memory-mapped, read lazily.
+
+Headers are parsed and checked here before the `safetensors` library maps a byte, so a hostile file
+is refused with its path and tensor name instead of crashing or allocating what it claims.
+"""
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+MAX_HEADER_BYTES = 100 << 20
+
+DTYPES = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is malformed, or does not hold what the model needs."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple
+    file: Path
+
+
+class SafetensorsFile:
+    """One .safetensors file: header checked on open, tensors mapped on first read."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such safetensors file")
+        self._tensors = _read_header(self.path)
+        self._handle = None
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        dtype, shape = self._tensors[name]
+        return TensorInfo(dtype, shape, self.path)
+
+    def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
+        """The tensor as torch; bf16="widen" gives bfloat16 as float32, "bits" keeps it bfloat16."""
+        if bf16 not in ("widen", "bits"):
+            raise ValueError(f"bf16 must be 'widen' or 'bits', got {bf16!r}")
+        info = self.info(name)
+        if self._handle is None:
+            self._handle = safe_open(str(self.path), framework="pt")
+        tensor = self._handle.get_tensor(name)
+        if info.dtype == "BF16" and bf16 == "widen":
+            tensor = tensor.float()
+        return tensor
+
+    def close(self):
+        self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_header(path: Path) -> dict:
+    """Parse and validate a safetensors header: {name: (dtype, shape)}."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or the limit")
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_size = size - 8 - header_len
+    tensors, spans = {}, []
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} outside the data ({data_size} bytes)")
+        nbytes = math.prod(shape) * DTYPES[dtype][1]
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(
+                f"{where}: dtype {dtype} and shape {shape} need {nbytes} bytes, offsets give {offsets[1] - offsets[0]}")
+        tensors[name] = (dtype, tuple(shape))
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensor {name!r} overlaps the tensor before it")
+        end = max(end, stop)
+    return tensors
+
+
+class Checkpoint:
+    """All tensors of a checkpoint, whichever of the three layouts it uses; files opened on first use."""
+
+    def __init__(self, path):
+        path = Path(path)
+        if path.is_file():
+            self.root, shards = path.parent, {None: path}
+            self._where = {}
+        elif path.is_dir():
+            self.root = path
+            index = path / "model.safetensors.index.json"
+            single = path / "model.safetensors"
+            if single.is_file():
+                shards, self._where = {None: single}, {}
+            elif index.is_file():
+                self._where = _read_index(index)
+                shards = {name: self._shard_path(index, name) for name in set(self._where.values())}
+            else:
+                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        else:
+            raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+        self.path = path
+        self._shard_paths = shards
+        self._files: dict = {}
+
+    def _shard_path(self, index: Path, name: str) -> Path:
+        shard = (self.root / name).resolve()
+        if Path(name).is_absolute() or self.root.resolve() not in shard.parents:
+            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory")
+        if not shard.is_file():
+            raise FileNotFoundError(f"{index}: names shard {name!r}, which does not exist")
+        return shard
+
+    def _file(self, name: str) -> SafetensorsFile:
+        key = self._where.get(name) if self._where else None
+        if self._where and key is None:
+            raise KeyError(f"{self.path}: no tensor {name!r} in the index")
+        if key not in self._files:
+            self._files[key] = SafetensorsFile(self._shard_paths[key])
+        file = self._files[key]
+        if name not in file._tensors:
+            raise CheckpointError(f"{file.path}: lacks tensor {name!r}, which the index places there")
+        return file
+
+    def names(self) -> list[str]:
+        if self._where:
+            return list(self._where)
+        return self._file_for_listing().names()
+
+    def _file_for_listing(self) -> SafetensorsFile:
+        if None not in self._files:
+            self._files[None] = SafetensorsFile(self._shard_paths[None])
+        return self._files[None]
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._where if self._where else self._file_for_listing()._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._file(name).info(name)
+
+    def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
+        return self._file(name).read(name, bf16=bf16)
+
+    def close(self):
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_index(index: Path) -> dict:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    where = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(where, dict) or not all(isinstance(v, str) for v in where.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    return where

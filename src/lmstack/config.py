@@ -1,0 +1,357 @@
+"""config.json in, a ModelPlan out: the one place that knows model families.
+
+Every config field that changes the arithmetic is either honored here or refused with
+`UnsupportedModel` naming the field and its value, before any weight byte is read.
+"""
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .rope import ROPE_TYPES
+
+# Sizes beyond these are refused before anything is allocated: no released model comes close.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 17
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 24
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint is well formed, but asks for arithmetic lmstack does not implement."""
+
+
+class ConfigError(ValueError):
+    """config.json is missing, malformed, or holds a value of the wrong type or range."""
+
+
+class HFConfig(Mapping):
+    """A read-only view of a Hugging Face `config.json`."""
+
+    def __init__(self, data: dict, path: Path | None = None):
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path or 'config'}: expected a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            raise ConfigError(f"{path or 'config'}: missing or invalid 'model_type' (got {model_type!r})")
+        self._data = data
+        self.path = path
+
+    @classmethod
+    def from_json(cls, path) -> "HFConfig":
+        """Read `config.json` from a checkpoint directory or an explicit file path."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json there")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls(data, path)
+
+    @property
+    def model_type(self) -> str:
+        return self._data["model_type"]
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+    def __repr__(self):
+        return f"HFConfig({self.model_type!r}, path={str(self.path) if self.path else None!r})"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type fixes that its config does not say."""
+
+    kind: str
+    qkv_bias: bool | None = None  # None: the config's attention_bias decides
+    o_bias: bool | None = None
+    qk_norm: bool = False
+    mlp_bias_field: bool = False  # the config's mlp_bias is honored
+    window: str = "none"  # "none", "all" (every layer), or "per_layer" (use_sliding_window et al.)
+
+
+FAMILIES = {
+    "llama": Family(kind="transformer", mlp_bias_field=True),
+    "mistral": Family(kind="transformer", qkv_bias=False, o_bias=False, window="all"),
+    "qwen2": Family(kind="transformer", qkv_bias=True, o_bias=False, window="per_layer"),
+    "qwen3": Family(kind="transformer", qk_norm=True, window="per_layer"),
+}
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything needed to build and fill a model: sizes, block options, checkpoint names."""
+
+    model_type: str
+    family: str
+    kind: str
+    n_layers: int
+    d_model: int
+    vocab_size: int
+    tie_embeddings: bool
+    norm_eps: float
+    max_position_embeddings: int | None
+    block_options: dict
+    embed_name: str
+    norm_name: str
+    head_name: str | None
+    layer_prefix: str = "model.layers"
+    layer_windows: tuple = field(default=())
+
+    def layer_weights(self, i: int) -> list[tuple[str, str, slice | None]]:
+        """(block parameter, checkpoint tensor, rows of the block parameter it fills) for layer i."""
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} out of range for {self.n_layers} layers")
+        if self.kind == "transformer":
+            return _transformer_weights(self, f"{self.layer_prefix}.{i}.")
+        raise UnsupportedModel(f"model kind {self.kind!r} has no weight layout")
+
+    def weight_names(self) -> list[str]:
+        """Every checkpoint tensor the plan reads, in load order."""
+        names = [self.embed_name]
+        for i in range(self.n_layers):
+            names += [name for _, name, _ in self.layer_weights(i)]
+        names.append(self.norm_name)
+        if self.head_name:
+            names.append(self.head_name)
+        return names
+
+
+def _transformer_weights(plan: ModelPlan, prefix: str) -> list:
+    o = plan.block_options
+    q_rows, kv_rows = o["n_heads"] * o["head_dim"], o["n_kv_heads"] * o["head_dim"]
+    ff = o["d_ff"]
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+
+    def fused(key, parts, suffix):
+        out, start = [], 0
+        for name, rows in parts:
+            out.append((f"{key}.{suffix}", f"{name}.{suffix}", slice(start, start + rows)))
+            start += rows
+        return out
+
+    qkv = [(attn + "q_proj", q_rows), (attn + "k_proj", kv_rows), (attn + "v_proj", kv_rows)]
+    gate_up = [(mlp + "gate_proj", ff), (mlp + "up_proj", ff)]
+    w = [("attn_norm.weight", prefix + "input_layernorm.weight", None)]
+    w += fused("attn.qkv", qkv, "weight")
+    if o["qkv_bias"]:
+        w += fused("attn.qkv", qkv, "bias")
+    w.append(("attn.o.weight", attn + "o_proj.weight", None))
+    if o["o_bias"]:
+        w.append(("attn.o.bias", attn + "o_proj.bias", None))
+    if o["qk_norm"]:
+        w += [("attn.q_norm.weight", attn + "q_norm.weight", None),
+              ("attn.k_norm.weight", attn + "k_norm.weight", None)]
+    w.append(("mlp_norm.weight", prefix + "post_attention_layernorm.weight", None))
+    w += fused("mlp.gate_up", gate_up, "weight")
+    if o["mlp_bias"]:
+        w += fused("mlp.gate_up", gate_up, "bias")
+    w.append(("mlp.down.weight", mlp + "down_proj.weight", None))
+    if o["mlp_bias"]:
+        w.append(("mlp.down.bias", mlp + "down_proj.bias", None))
+    return w
+
+
+class _Fields:
+    """Typed, range-checked access to config fields; errors name the model_type and field."""
+
+    def __init__(self, cfg: HFConfig):
+        self.cfg, self.model_type = cfg, cfg.model_type
+        self.where = f"{cfg.path}: " if cfg.path else ""
+
+    def _bad(self, key, value, expected):
+        return ConfigError(f"{self.where}model_type {self.model_type!r}: field {key!r} = {value!r}, expected {expected}")
+
+    def int(self, key, default=None, *, minimum=1, maximum=MAX_WIDTH):
+        value = self.cfg.get(key, default)
+        if value is None and default is None:
+            raise self._bad(key, None, "an integer (the field is required)")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(key, value, "an integer")
+        if not minimum <= value <= maximum:
+            raise self._bad(key, value, f"an integer in [{minimum}, {maximum}]")
+        return value
+
+    def optional_int(self, key, *, minimum=1, maximum=MAX_POSITIONS):
+        return None if self.cfg.get(key) is None else self.int(key, minimum=minimum, maximum=maximum)
+
+    def float(self, key, default=None, *, positive=True):
+        value = self.cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(key, value, "a finite number")
+        if positive and value <= 0:
+            raise self._bad(key, value, "a positive number")
+        return float(value)
+
+    def bool(self, key, default):
+        value = self.cfg.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def str(self, key, default):
+        value = self.cfg.get(key, default)
+        if not isinstance(value, str):
+            raise self._bad(key, value, "a string")
+        return value
+
+    def refuse(self, key, value, why):
+        return UnsupportedModel(f"{self.where}model_type {self.model_type!r}: {key} = {value!r} is not supported ({why})")
+
+
+def plan_for(config) -> ModelPlan:
+    """Map a config (HFConfig or plain dict) onto a ModelPlan, or refuse by name."""
+    cfg = config if isinstance(config, HFConfig) else HFConfig(config)
+    if cfg.model_type not in FAMILIES:
+        raise UnsupportedModel(
+            f"{cfg.path or 'config'}: model_type {cfg.model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(FAMILIES))})")
+    family = FAMILIES[cfg.model_type]
+    return _transformer_plan(_Fields(cfg), family)
+
+
+def _transformer_plan(f: _Fields, family: Family) -> ModelPlan:
+    d_model = f.int("hidden_size")
+    n_layers = f.int("num_hidden_layers", maximum=MAX_LAYERS)
+    n_heads = f.int("num_attention_heads", maximum=4096)
+    n_kv_heads = f.int("num_key_value_heads", n_heads, maximum=4096)
+    if n_heads % n_kv_heads:
+        raise f._bad("num_key_value_heads", n_kv_heads, f"a divisor of num_attention_heads ({n_heads})")
+    if f.cfg.get("head_dim") is None:
+        if d_model % n_heads:
+            raise f._bad("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads}) when head_dim is absent")
+        head_dim = d_model // n_heads
+    else:
+        head_dim = f.int("head_dim", maximum=4096)
+    if head_dim % 2:
+        raise f._bad("head_dim", head_dim, "an even number (rotary pairs)")
+
+    act = f.str("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise f.refuse("hidden_act", act, f"supported: {', '.join(ACTIVATIONS)}")
+    attention_bias = f.bool("attention_bias", False)
+    qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
+    o_bias = attention_bias if family.o_bias is None else family.o_bias
+    if family.qkv_bias is not None and f.cfg.get("attention_bias") not in (None, False, family.qkv_bias):
+        raise f.refuse("attention_bias", f.cfg.get("attention_bias"), f"{f.model_type} fixes its own biases")
+    mlp_bias = f.bool("mlp_bias", False)
+    if mlp_bias and not family.mlp_bias_field:
+        raise f.refuse("mlp_bias", mlp_bias, f"{f.model_type} has no MLP biases")
+
+    partial = f.cfg.get("partial_rotary_factor")
+    rope = _rope(f)
+    partial = rope.pop("partial_rotary_factor", partial)
+    if partial not in (None, 1, 1.0):
+        raise f.refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
+        if f.cfg.get(key) not in (None, 1, 1.0):
+            raise f.refuse(key, f.cfg.get(key), f"{f.model_type} does not use it")
+
+    max_positions = f.optional_int("max_position_embeddings")
+    windows = _layer_windows(f, family, n_layers)
+    tie = f.bool("tie_word_embeddings", False)
+    options = dict(
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        d_ff=f.int("intermediate_size", maximum=MAX_WIDTH * 8),
+        act=act, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+        qk_norm=family.qk_norm, rope=rope, norm_eps=f.float("rms_norm_eps", 1e-6),
+    )
+    return ModelPlan(
+        model_type=f.model_type, family=f.model_type, kind=family.kind,
+        n_layers=n_layers, d_model=d_model,
+        vocab_size=f.int("vocab_size", maximum=MAX_VOCAB),
+        tie_embeddings=tie, norm_eps=options["norm_eps"],
+        max_position_embeddings=max_positions, block_options=options,
+        embed_name="model.embed_tokens.weight", norm_name="model.norm.weight",
+        head_name=None if tie else "lm_head.weight", layer_windows=windows,
+    )
+
+
+def _rope(f: _Fields) -> dict:
+    """Normalize `rope_theta` + `rope_scaling` (legacy) and `rope_parameters` (transformers 5) to one dict."""
+    params = f.cfg.get("rope_parameters")
+    legacy = f.cfg.get("rope_scaling")
+    source = "rope_parameters" if params is not None else "rope_scaling"
+    spec = params if params is not None else legacy
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, dict):
+        raise f._bad(source, spec, "an object")
+    if any(isinstance(v, dict) for v in spec.values()):
+        raise f.refuse(source, sorted(spec), "rotary settings per layer type")
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise f.refuse(f"{source}.rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
+    theta = spec.get("rope_theta", f.cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise f._bad("rope_theta", theta, "a positive number")
+    rope = {"type": kind, "theta": float(theta)}
+    if "partial_rotary_factor" in spec:
+        rope["partial_rotary_factor"] = spec["partial_rotary_factor"]
+
+    def number(key, default=None):
+        value = spec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise f._bad(f"{source}.{key}", value, "a positive number")
+        return value
+
+    if kind in ("linear", "llama3", "yarn"):
+        rope["factor"] = number("factor")
+    if kind in ("llama3", "yarn"):
+        original = spec.get("original_max_position_embeddings", f.cfg.get("max_position_embeddings"))
+        rope["original_max_position_embeddings"] = number("original_max_position_embeddings", original)
+    if kind == "llama3":
+        rope["low_freq_factor"] = number("low_freq_factor")
+        rope["high_freq_factor"] = number("high_freq_factor")
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            raise f._bad(f"{source}.high_freq_factor", rope["high_freq_factor"], "greater than low_freq_factor")
+    if kind == "yarn":
+        for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if spec.get(key) is not None:
+                rope[key] = number(key)
+        rope["truncate"] = spec.get("truncate", True)
+    return rope
+
+
+def _layer_windows(f: _Fields, family: Family, n_layers: int) -> tuple:
+    """The sliding-window length of each layer (None: full attention), as transformers builds it."""
+    if family.window == "none":
+        return (None,) * n_layers
+    window = f.optional_int("sliding_window", maximum=MAX_POSITIONS)
+    if family.window == "all":
+        return (window,) * n_layers
+    if not f.bool("use_sliding_window", False):
+        window = None
+    layer_types = f.cfg.get("layer_types")
+    if layer_types is None:
+        first = f.int("max_window_layers", n_layers, minimum=0, maximum=MAX_LAYERS)
+        return tuple(window if window is not None and i >= first else None for i in range(n_layers))
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise f._bad("layer_types", layer_types, f"a list of {n_layers} layer types")
+    out = []
+    for kind in layer_types:
+        if kind == "full_attention":
+            out.append(None)
+        elif kind == "sliding_attention":
+            if window is None:
+                raise f._bad("layer_types", kind, "full_attention when sliding_window is off")
+            out.append(window)
+        else:
+            raise f.refuse("layer_types", kind, "supported: full_attention, sliding_attention")
+    return tuple(out)

@@ -1,0 +1,289 @@
+"""CausalLM: embedding gather -> blocks -> final norm -> head, with a decode state the caller owns."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
+from .checkpoint import Checkpoint, CheckpointError
+from .config import HFConfig, ModelPlan, plan_for
+from .rope import Rotary
+
+WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CausalLMState:
+    """Per-layer decode state (KV caches), preallocated for `max_tokens`; owned by the caller.
+
+    `length` cache slots are filled; row b's real tokens start at slot `offsets[b]` (left padding).
+    """
+
+    layers: list
+    batch_size: int
+    max_tokens: int
+    offsets: torch.Tensor
+    length: int = 0
+    owner: object = field(default=None, repr=False)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position the next token of each row takes."""
+        return self.length - self.offsets
+
+
+def resolve_device(device) -> torch.device:
+    """'auto' (CUDA when present), 'cpu', 'gpu', or any torch device string / torch.device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "gpu":
+        device = "cuda"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not 'auto', 'cpu', 'gpu' or a torch device") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"device {str(device)!r} is not supported (cpu, cuda, mps)")
+    return device
+
+
+def as_ids(ids, *, column: bool = False) -> torch.Tensor:
+    """Token ids from a tensor, numpy array or nested lists, as a (B, L) int64 tensor.
+
+    A 1-D input is one row (L,), or with `column` one token per row (B,).
+    """
+    if isinstance(ids, torch.Tensor):
+        tensor = ids
+    else:
+        try:
+            array = np.asarray(ids)
+        except ValueError:
+            raise ValueError("ids must be a rectangular tensor, array or nested list of integers") from None
+        if array.dtype == object:
+            raise ValueError("ids must be a rectangular tensor, array or nested list of integers")
+        if array.size == 0 and array.dtype == np.float64:
+            array = array.astype(np.int64)
+        tensor = torch.from_numpy(array)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"ids must be integers, got {tensor.dtype}")
+    if tensor.dim() == 1:
+        tensor = tensor[:, None] if column else tensor[None]
+    if tensor.dim() != 2:
+        raise ValueError(f"ids must have shape (B, L) or (L,), got {tuple(tensor.shape)}")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(f"ids must hold at least one token per row, got shape {tuple(tensor.shape)}")
+    return tensor.long()
+
+
+class CausalLM:
+    """A causal language model loaded from a checkpoint directory."""
+
+    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None):
+        self.plan = plan
+        self.dtype = dtype
+        self.device = resolve_device(device)
+        self.vocab_size = plan.vocab_size
+        self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
+        with torch.device("meta"):
+            self.blocks = nn.ModuleList(
+                TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i])
+                for i in range(plan.n_layers))
+            self.norm = RMSNorm(plan.d_model, plan.norm_eps)
+        self.blocks.to(dtype).to_empty(device=self.device)
+        self.norm.to(dtype).to_empty(device=self.device)
+        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=self.device)
+        self.head = self.embed if plan.tie_embeddings else torch.empty_like(self.embed)
+        self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
+        self.unused_names: list[str] = []
+        self._weights: dict[str, torch.Tensor] = {}
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path, *, weight_format="float32", max_positions=None, device="auto", progress=None):
+        """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json).
+
+        `progress(done, total)` is called after each tensor is read.
+        """
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
+                                          or max_positions < 1):
+            raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
+        path = Path(path)
+        plan = plan_for(HFConfig.from_json(path if path.is_dir() else path.parent))
+        model = cls(plan, dtype=WEIGHT_FORMATS[weight_format], device=device, max_positions=max_positions)
+        with Checkpoint(path) as checkpoint:
+            model._fill(checkpoint, progress)
+        return model
+
+    def _targets(self):
+        """(checkpoint name, destination tensor) for every tensor the plan reads."""
+        plan = self.plan
+        yield plan.embed_name, self.embed
+        for i, block in enumerate(self.blocks):
+            for key, name, rows in plan.layer_weights(i):
+                param = block.get_parameter(key)
+                yield name, param if rows is None else param[rows]
+        yield plan.norm_name, self.norm.weight
+        if plan.head_name:
+            yield plan.head_name, self.head
+
+    def _fill(self, checkpoint: Checkpoint, progress=None):
+        targets = list(self._targets())
+        for name, dest in targets:  # every name and shape checked before a byte is read
+            if name not in checkpoint:
+                raise CheckpointError(f"{checkpoint.path}: missing tensor {name!r}")
+            info = checkpoint.info(name)
+            if info.shape != tuple(dest.shape):
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
+        bf16 = "bits" if self.dtype == torch.bfloat16 else "widen"
+        for done, (name, dest) in enumerate(targets, 1):
+            with torch.no_grad():
+                dest.copy_(checkpoint.read(name, bf16=bf16))
+            self._weights[name] = dest
+            if progress:
+                progress(done, len(targets))
+        self.unused_names = sorted(set(checkpoint.names()) - set(self._weights))
+        self._check_finite()
+
+    def _check_finite(self):
+        plan = self.plan
+        names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
+        names += [n for n in self._weights if n.endswith("norm.weight")]
+        for name in dict.fromkeys(names):
+            if not torch.isfinite(self._weights[name]).all():
+                raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Loaded weights by checkpoint name (views into the fused block parameters)."""
+        return dict(self._weights)
+
+    def __repr__(self):
+        p = self.plan
+        return (f"CausalLM({p.model_type}, layers={p.n_layers}, d_model={p.d_model}, vocab={p.vocab_size}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device})")
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def allocate_state(self, batch_size: int, max_tokens: int | None = None) -> CausalLMState:
+        """A decode state for `batch_size` rows and up to `max_tokens` tokens (default: max_positions)."""
+        max_tokens = self.max_positions if max_tokens is None else max_tokens
+        for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_positions is not None and max_tokens > self.max_positions:
+            raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
+        layers = [b.new_cache(batch_size, max_tokens, self.dtype, self.device) for b in self.blocks]
+        offsets = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        return CausalLMState(layers, batch_size, max_tokens, offsets, owner=self)
+
+    def reset_state(self, state: CausalLMState):
+        """Empty a state for reuse; stale cache contents are never read past `length`."""
+        self._check_state(state, 1)
+        state.length = 0
+        state.offsets.zero_()
+
+    def _check_state(self, state, n_new: int, batch: int | None = None):
+        if not isinstance(state, CausalLMState) or state.owner is not self:
+            raise ValueError("state was not allocated by this model (use model.allocate_state)")
+        if batch is not None and batch != state.batch_size:
+            raise ValueError(f"ids have batch size {batch}, the state was allocated for {state.batch_size}")
+        if state.length + n_new > state.max_tokens:
+            raise ValueError(f"{n_new} new tokens after {state.length} exceed the state's capacity "
+                             f"of {state.max_tokens} tokens")
+
+    # ---- running -------------------------------------------------------------------------
+
+    def _check_ids(self, ids, state):
+        ids = as_ids(ids)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        B, L = ids.shape
+        start = 0
+        if state is not None:
+            self._check_state(state, L, B)
+            start = state.length - int(state.offsets.min())
+        if self.max_positions is not None and start + L > self.max_positions:
+            raise ValueError(f"positions up to {start + L - 1} exceed max_positions {self.max_positions}")
+        return ids.to(self.device)
+
+    def forward(self, ids, state: CausalLMState | None = None) -> torch.Tensor:
+        """Logits (B, L, vocab) in float32; with a state, continue from it and advance it."""
+        ids = self._check_ids(ids, state)
+        return self._run(ids, state).float()
+
+    __call__ = forward
+
+    def step(self, ids, state: CausalLMState) -> torch.Tensor:
+        """One token per row (B,) or (B, 1) -> next-token logits (B, vocab) in float32."""
+        ids = as_ids(ids, column=True)
+        if ids.shape[1] != 1:
+            raise ValueError(f"step takes one token per row, got shape {tuple(ids.shape)}")
+        return self.forward(ids, state)[:, -1]
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation (B, max_new_tokens): one prefill, then one step per token."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        ids = as_ids(ids)
+        state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
+        logits = self._run(self._check_ids(ids, state), state, last_only=True)
+        tokens = []
+        for i in range(max_new_tokens):
+            tokens.append(logits[:, -1].argmax(-1))
+            if i + 1 < max_new_tokens:
+                logits = self._run(tokens[-1][:, None], state, last_only=True)
+        return torch.stack(tokens, dim=1)
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:
+        """The one path every entry point takes; ids are already checked."""
+        x = F.embedding(ids, self.embed)
+        ctx = self._attention_context(ids.shape, state)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if state is None else state.layers[i], ctx)
+        if state is not None:
+            state.length += ids.shape[1]
+        if last_only:
+            x = x[:, -1:]
+        return F.linear(self.norm(x), self.head)
+
+    def _attention_context(self, shape, state) -> AttentionContext:
+        B, L = shape
+        start = 0 if state is None else state.length
+        slots = torch.arange(start, start + L, device=self.device)
+        offsets = None if state is None or not state.offsets.any() else state.offsets
+        positions = slots.expand(B, L) if offsets is None else (slots[None] - offsets[:, None]).clamp(min=0)
+        cos, sin = self.rotary(positions, self.dtype)
+        masks = {w: self._mask(slots, start + L, w, offsets) for w in set(self.plan.layer_windows)}
+        return AttentionContext(start, cos, sin, masks)
+
+    def _mask(self, slots, n_keys, window, offsets):
+        """None where SDPA's own causal flag is exact; else a boolean (B or 1, 1, L, S) mask."""
+        start, L = int(slots[0]), len(slots)
+        windowed = window is not None and n_keys > window
+        if offsets is None and not windowed and (start == 0 or L == 1):
+            return None
+        keys = torch.arange(n_keys, device=self.device)
+        allowed = keys[None] <= slots[:, None]
+        if windowed:
+            allowed &= slots[:, None] - keys[None] < window
+        allowed = allowed[None, None]
+        if offsets is not None:
+            real = keys[None, None, None] >= offsets[:, None, None, None]
+            allowed = (allowed & real) | (keys[None] == slots[:, None])[None, None]
+        return allowed
