@@ -190,7 +190,7 @@ class CausalLM:
 
     def reset_state(self, state: CausalLMState):
         """Empty a state for reuse; stale cache contents are never read past `length`."""
-        self._check_state(state, 1)
+        self._check_state(state, 0)
         state.length = 0
         state.offsets.zero_()
 

@@ -1,0 +1,203 @@
+"""CausalLM's surface: accepted inputs, the decode state, and the errors for everything else."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmstack import CausalLM, Checkpoint, CheckpointError, SafetensorsFile
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama_tied_gqa")
+    return path, CausalLM.load(path, device="cpu")
+
+
+def copy_checkpoint(path, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(path, target)
+    return target
+
+
+def test_ids_as_tensor_numpy_or_lists_give_the_same_logits(llama):
+    _, lm = llama
+    ids = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]]
+    expected = lm.forward(torch.tensor(ids))
+    assert expected.shape == (2, 5, lm.vocab_size) and expected.dtype == torch.float32
+    torch.testing.assert_close(lm.forward(np.array(ids, dtype=np.int32)), expected, rtol=0, atol=0)
+    torch.testing.assert_close(lm.forward(ids), expected, rtol=0, atol=0)
+    torch.testing.assert_close(lm.forward(ids[0]), lm.forward([ids[0]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([[1.0, 2.0]], "integers"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), "shape"),
+    ([[1, 2], [3]], "rectangular"),
+    ([[]], "at least one token"),
+    ([[1, 256]], "token id 256"),
+    ([[-1, 2]], "token id -1"),
+])
+def test_bad_ids_are_refused(llama, ids, words):
+    _, lm = llama
+    with pytest.raises(ValueError, match=words):
+        lm.forward(ids)
+
+
+def test_positions_past_max_positions_are_refused_before_compute(llama):
+    path, _ = llama
+    lm = CausalLM.load(path, device="cpu", max_positions=8)
+    lm.forward(torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_positions 8"):
+        lm.forward(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_positions"):
+        lm.allocate_state(1, 9)
+    state = lm.allocate_state(1, 8)
+    lm.forward(torch.zeros(1, 6, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="capacity"):
+        lm.forward(torch.zeros(1, 3, dtype=torch.long), state)
+    assert state.length == 6  # a refused call leaves the state untouched
+
+
+def test_state_checks(llama, tiny_checkpoint):
+    _, lm = llama
+    other = CausalLM.load(tiny_checkpoint("llama")[0], device="cpu")
+    with pytest.raises(ValueError, match="not allocated by this model"):
+        lm.forward([[1, 2]], other.allocate_state(1, 4))
+    with pytest.raises(ValueError, match="batch size 2"):
+        lm.forward([[1, 2], [3, 4]], lm.allocate_state(1, 4))
+    with pytest.raises(ValueError, match="one token per row"):
+        lm.step([[1, 2]], lm.allocate_state(1, 4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        lm.allocate_state(1, 0)
+
+
+def test_state_is_preallocated_and_reusable(llama):
+    _, lm = llama
+    ids = torch.randint(0, lm.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    state = lm.allocate_state(2, 9)
+    pointers = [(c.k.data_ptr(), c.v.data_ptr()) for c in state.layers]
+    first = torch.cat([lm.forward(ids[:, :4], state)] + [lm.step(ids[:, i], state)[:, None] for i in range(4, 9)], 1)
+    assert [(c.k.data_ptr(), c.v.data_ptr()) for c in state.layers] == pointers
+    assert state.positions.tolist() == [9, 9]
+    lm.reset_state(state)
+    assert state.length == 0
+    torch.testing.assert_close(lm.forward(ids, state), first, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_prefills_once_then_steps(llama, monkeypatch):
+    _, lm = llama
+    calls = []
+    run = lm._run
+    monkeypatch.setattr(lm, "_run", lambda ids, state, last_only=False: calls.append(ids.shape) or
+                        run(ids, state, last_only))
+    out = lm.generate([[5, 6, 7, 8]], 6)
+    assert out.shape == (1, 6)
+    assert calls == [(1, 4)] + [(1, 1)] * 5
+
+
+def test_parameters_by_checkpoint_name_and_unused_names(llama, tmp_path):
+    path, lm = llama
+    weights = lm.parameters()
+    saved = load_file(path / "model.safetensors")
+    assert set(weights) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(weights[name], tensor), name
+    target = copy_checkpoint(path, tmp_path)
+    save_file({**saved, "model.rotary_emb.inv_freq": torch.ones(4)}, target / "model.safetensors")
+    assert CausalLM.load(target, device="cpu").unused_names == ["model.rotary_emb.inv_freq"]
+    assert "llama" in repr(lm) and "layers=2" in repr(lm)
+
+
+def test_load_from_an_explicit_safetensors_file(llama):
+    path, lm = llama
+    other = CausalLM.load(path / "model.safetensors", device="cpu")
+    torch.testing.assert_close(other.forward([[1, 2, 3]]), lm.forward([[1, 2, 3]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(weight_format="int3"), "weight_format 'int3'"),
+    (dict(device="tpu"), "device 'tpu'"),
+    (dict(max_positions=0), "max_positions"),
+])
+def test_bad_load_arguments(llama, kwargs, words):
+    path, _ = llama
+    with pytest.raises(ValueError, match=words):
+        CausalLM.load(path, **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_gpu_without_cuda_is_refused(llama):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        CausalLM.load(llama[0], device="gpu")
+
+
+def test_shape_mismatch_names_tensor_and_file(llama, tmp_path):
+    path, _ = llama
+    target = copy_checkpoint(path, tmp_path)
+    saved = load_file(target / "model.safetensors")
+    saved["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 95)
+    save_file(saved, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*\[64, 95\]") as e:
+        CausalLM.load(target, device="cpu")
+    assert "model.safetensors" in str(e.value)
+
+
+def test_missing_tensor_is_named(llama, tmp_path):
+    path, _ = llama
+    target = copy_checkpoint(path, tmp_path)
+    saved = load_file(target / "model.safetensors")
+    del saved["model.norm.weight"]
+    save_file(saved, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        CausalLM.load(target, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "model.norm.weight",
+                                  "model.layers.0.input_layernorm.weight"])
+def test_non_finite_embedding_norm_or_head_is_refused(llama, tmp_path, name):
+    path, _ = llama
+    target = copy_checkpoint(path, tmp_path)
+    saved = load_file(target / "model.safetensors")
+    saved[name][0] = float("nan")
+    save_file(saved, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=name):
+        CausalLM.load(target, device="cpu")
+
+
+def test_sharded_index_errors(tiny_checkpoint, tmp_path):
+    path, _ = tiny_checkpoint("llama_sharded")
+    target = copy_checkpoint(path, tmp_path)
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+
+    broken = dict(index, weight_map={**index["weight_map"], "model.norm.weight": shard})
+    index_path.write_text(json.dumps(broken))
+    with pytest.raises(CheckpointError, match=f"{shard}.*lacks tensor 'model.norm.weight'"):
+        CausalLM.load(target, device="cpu")
+
+    escaping = dict(index, weight_map={**index["weight_map"], "model.norm.weight": "../elsewhere.safetensors"})
+    index_path.write_text(json.dumps(escaping))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        Checkpoint(target)
+
+    (target / shard).unlink()
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=shard):
+        Checkpoint(target)
+
+
+def test_safetensors_file_info_and_read(llama):
+    path, _ = llama
+    with SafetensorsFile(path / "model.safetensors") as f:
+        info = f.info("model.norm.weight")
+        assert (info.dtype, info.shape, info.file) == ("F32", (64,), path / "model.safetensors")
+        assert f.read("model.norm.weight").shape == (64,)
+        with pytest.raises(KeyError, match="nope"):
+            f.info("nope")
+    with Checkpoint(path) as ckpt:
+        assert "model.norm.weight" in ckpt.names()
