@@ -34,14 +34,18 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """One .safetensors file: header checked on open, tensors mapped on first read."""
+    """One .safetensors file: header checked on open, each tensor mapped only while it is read.
+
+    Mapping per read keeps the file's pages from piling up in resident memory during a load, so
+    the peak stays near the loaded model's own size.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such safetensors file")
         self._tensors = _read_header(self.path)
-        self._handle = None
+        self.closed = False
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -56,16 +60,17 @@ class SafetensorsFile:
         """The tensor as torch; bf16="widen" gives bfloat16 as float32, "bits" keeps it bfloat16."""
         if bf16 not in ("widen", "bits"):
             raise ValueError(f"bf16 must be 'widen' or 'bits', got {bf16!r}")
+        if self.closed:
+            raise ValueError(f"{self.path}: read from a closed file")
         info = self.info(name)
-        if self._handle is None:
-            self._handle = safe_open(str(self.path), framework="pt")
-        tensor = self._handle.get_tensor(name)
+        with safe_open(str(self.path), framework="pt") as handle:
+            tensor = handle.get_tensor(name)
         if info.dtype == "BF16" and bf16 == "widen":
             tensor = tensor.float()
         return tensor
 
     def close(self):
-        self._handle = None
+        self.closed = True
 
     def __enter__(self):
         return self

@@ -56,6 +56,12 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """isfinite in slices, so checking a large embedding allocates no second copy of it."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
 def as_ids(ids, *, column: bool = False) -> torch.Tensor:
     """Token ids from a tensor, numpy array or nested lists, as a (B, L) int64 tensor.
 
@@ -147,10 +153,9 @@ class CausalLM:
             if info.shape != tuple(dest.shape):
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
-        bf16 = "bits" if self.dtype == torch.bfloat16 else "widen"
         for done, (name, dest) in enumerate(targets, 1):
             with torch.no_grad():
-                dest.copy_(checkpoint.read(name, bf16=bf16))
+                dest.copy_(checkpoint.read(name, bf16="bits"))  # copy_ converts: one transient per tensor
             self._weights[name] = dest
             if progress:
                 progress(done, len(targets))
@@ -162,7 +167,7 @@ class CausalLM:
         names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
         names += [n for n in self._weights if n.endswith("norm.weight")]
         for name in dict.fromkeys(names):
-            if not torch.isfinite(self._weights[name]).all():
+            if not _all_finite(self._weights[name]):
                 raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
