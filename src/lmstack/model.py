@@ -1,5 +1,7 @@
 """CausalLM: embedding gather -> blocks -> final norm -> head, with a decode state the caller owns."""
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +13,9 @@ from torch import nn
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
 from .config import HFConfig, ModelPlan, plan_for
+from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
+from .sampling import Sampler
 
 WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,6 +58,36 @@ def resolve_device(device) -> torch.device:
     elif device.type not in ("cpu", "mps"):
         raise ValueError(f"device {str(device)!r} is not supported (cpu, cuda, mps)")
     return device
+
+
+def eos_ids(config, directory: Path | None = None) -> tuple[int, ...]:
+    """The ids that end a generation: generation_config.json's eos_token_id, else the config's."""
+    value = None
+    generation = directory / "generation_config.json" if directory else None
+    if generation and generation.is_file():
+        try:
+            value = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{generation}: not a JSON object ({e})") from None
+    if value is None:
+        value = config.get("eos_token_id")
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def left_pad(ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids, rectangular or ragged, as (B, L) left-padded with 0, and each row's padding."""
+    if isinstance(ids, (list, tuple)) and ids and all(not isinstance(row, int) for row in ids):
+        rows = [as_ids(row)[0] for row in ids]
+        if len({len(row) for row in rows}) > 1:
+            width = max(len(row) for row in rows)
+            offsets = torch.tensor([width - len(row) for row in rows])
+            padded = torch.zeros(len(rows), width, dtype=torch.long)
+            for row, offset, out in zip(rows, offsets, padded):
+                out[offset:] = row
+            return padded, offsets
+    ids = as_ids(ids)
+    return ids, torch.zeros(ids.shape[0], dtype=torch.long)
 
 
 def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
@@ -110,13 +144,14 @@ class CausalLM:
         self.head = self.embed if plan.tie_embeddings else torch.empty_like(self.embed)
         self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
         self.unused_names: list[str] = []
+        self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
         self._weights: dict[str, torch.Tensor] = {}
 
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod
     def load(cls, path, *, weight_format="float32", max_positions=None, device="auto", progress=None):
-        """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json).
+        """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json), or a GGUF file.
 
         `progress(done, total)` is called after each tensor is read.
         """
@@ -126,10 +161,16 @@ class CausalLM:
                                           or max_positions < 1):
             raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
         path = Path(path)
-        plan = plan_for(HFConfig.from_json(path if path.is_dir() else path.parent))
-        model = cls(plan, dtype=WEIGHT_FORMATS[weight_format], device=device, max_positions=max_positions)
-        with Checkpoint(path) as checkpoint:
-            model._fill(checkpoint, progress)
+        if is_gguf(path):
+            source = GGUFFile(path)
+            config = source.config
+        else:
+            config = HFConfig.from_json(path if path.is_dir() else path.parent)
+            source = Checkpoint(path)
+        model = cls(plan_for(config), dtype=WEIGHT_FORMATS[weight_format], device=device, max_positions=max_positions)
+        model.eos_ids = eos_ids(config, None if is_gguf(path) else config.path.parent)
+        with source:
+            model._fill(source, progress)
         return model
 
     def _targets(self):
@@ -153,9 +194,10 @@ class CausalLM:
             if info.shape != tuple(dest.shape):
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
+        bf16 = "bits" if self.dtype == torch.bfloat16 else "widen"
         for done, (name, dest) in enumerate(targets, 1):
             with torch.no_grad():
-                dest.copy_(checkpoint.read(name, bf16="bits"))  # copy_ converts: one transient per tensor
+                dest.copy_(checkpoint.read(name, bf16=bf16))
             self._weights[name] = dest
             if progress:
                 progress(done, len(targets))
@@ -167,7 +209,7 @@ class CausalLM:
         names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
         names += [n for n in self._weights if n.endswith("norm.weight")]
         for name in dict.fromkeys(names):
-            if not _all_finite(self._weights[name]):
+            if not torch.isfinite(self._weights[name]).all():
                 raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -239,20 +281,56 @@ class CausalLM:
             raise ValueError(f"step takes one token per row, got shape {tuple(ids.shape)}")
         return self.forward(ids, state)[:, -1]
 
-    @torch.no_grad()
-    def generate(self, ids, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation (B, max_new_tokens): one prefill, then one step per token."""
+    def generate(self, ids, max_new_tokens: int, **options) -> torch.Tensor:
+        """Continuations (B, n) of the rows of `ids`: greedy by default, sampled with Sampler's options.
+
+        Without `eos_ids` (or `until`) every row runs `max_new_tokens` tokens. A row that stops keeps the
+        token it stopped at and holds -1 after it; n < max_new_tokens only when every row stopped.
+        Options as for `stream`.
+        """
+        return torch.stack(list(self.stream(ids, max_new_tokens, **options)), dim=1)
+
+    def stream(self, ids, max_new_tokens: int, *, eos_ids=(), until=None, **sampling) -> Iterator[torch.Tensor]:
+        """Yield each step's tokens (B,) as they are made: one prefill, then one step per token.
+
+        `ids` may be ragged (rows of different lengths): rows are left-padded and masked, so each row
+        gets the tokens it gets alone. A row stops after a token in `eos_ids`, or when `until(tokens)`,
+        called with each step's tokens before they are yielded, returns True for it ((B,) bool);
+        a stopped row yields -1. `sampling`: Sampler's fields (temperature, top_k, top_p, min_p,
+        repetition_penalty, seed).
+        """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        ids = as_ids(ids)
+        sampler = Sampler(**sampling)
+        ids, offsets = left_pad(ids)
         state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
-        logits = self._run(self._check_ids(ids, state), state, last_only=True)
-        tokens = []
+        state.offsets.copy_(offsets)
+        ids = self._check_ids(ids, state)
+        eos = torch.tensor(list(eos_ids), dtype=torch.long, device=self.device)
+        return self._decode(ids, state, max_new_tokens, sampler, eos, until)
+
+    @torch.no_grad()
+    def _decode(self, ids, state, max_new_tokens, sampler, eos, until):
+        B = ids.shape[0]
+        generator = sampler.generator(self.device)
+        seen = None
+        if sampler.repetition_penalty != 1:  # the prompt's real tokens, then every token made
+            real = torch.arange(ids.shape[1], device=self.device)[None] >= state.offsets[:, None]
+            seen = torch.zeros(B, self.vocab_size, dtype=torch.bool, device=self.device)
+            seen.scatter_(1, torch.where(real, ids, ids[:, -1:]), True)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        logits = self._run(ids, state, last_only=True)
         for i in range(max_new_tokens):
-            tokens.append(logits[:, -1].argmax(-1))
-            if i + 1 < max_new_tokens:
-                logits = self._run(tokens[-1][:, None], state, last_only=True)
-        return torch.stack(tokens, dim=1)
+            tokens = sampler(logits[:, -1], seen, generator).to(self.device).masked_fill(done, -1)
+            if seen is not None:
+                seen[~done, tokens[~done]] = True
+            done |= torch.isin(tokens, eos)
+            if until is not None:
+                done |= until(tokens)
+            yield tokens
+            if done.all() or i + 1 == max_new_tokens:
+                return
+            logits = self._run(tokens.clamp(min=0)[:, None], state, last_only=True)
 
     @torch.no_grad()
     def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""Choosing the next token, and the text a generation shows as it goes.
+
+`Sampler` turns logits into tokens (greedy by default; repetition penalty, temperature, top-k,
+top-p, min-p applied in the order transformers applies them). `TextStream` turns a growing list of
+tokens into text pieces that never split a UTF-8 character and never show the start of a stop
+string before it is known not to be one. `stream_text` and `generate_text` put them around
+`CausalLM.stream` for prompts given as text.
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How the next token is chosen; the defaults are greedy, and `temperature=0` or `top_k=1` is exact argmax.
+
+    `seed` makes a sampled generation reproducible (same seed, batch and device: same tokens).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def number(name, ok, expected):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+        number("temperature", lambda t: t >= 0, "a number >= 0")
+        number("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+        number("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
+        number("repetition_penalty", lambda p: p > 0, "a positive number")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.top_k is None:
+            raise ValueError("top_k must be a non-negative integer, got None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def generator(self, device) -> torch.Generator | None:
+        """The random stream of one generation: seeded when asked, else from fresh entropy."""
+        if self.greedy:
+            return None
+        generator = torch.Generator(device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None, generator) -> torch.Tensor:
+        """Next tokens (B,) from logits (B, vocab); `seen` (B, vocab) marks the tokens the penalty applies to."""
+        if seen is not None and self.repetition_penalty != 1:
+            logits = logits.float()
+            penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
+        if self.greedy:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p < 1:
+            ranked, order = logits.sort(dim=-1, descending=True)
+            probs = ranked.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= self.top_p  # the mass before a token already reaches top_p
+            drop[:, 0] = False
+            logits = logits.scatter(-1, order, ranked.masked_fill(drop, -math.inf))
+        probs = logits.softmax(-1)
+        if self.min_p:
+            probs = probs.masked_fill(probs < self.min_p * probs.max(-1, keepdim=True).values, 0)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class TextStream:
+    """The text of one row's tokens, released piece by piece as they come.
+
+    A piece never ends inside a UTF-8 character (decoded text ending in U+FFFD waits for the next
+    token), and never shows text that could be the start of a stop string. When a stop string
+    appears, the text ends just before it and `stopped` is set.
+    """
+
+    def __init__(self, tokenizer, stop=()):
+        if isinstance(stop, str):
+            stop = (stop,)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""  # released so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add a token; the text it releases (maybe empty)."""
+        if self.stopped:
+            return ""
+        self.ids.append(int(token))
+        full = self.tokenizer.decode(self.ids)
+        cut = min((i for i in (full.find(s, max(0, len(self.text) - len(s))) for s in self.stop) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._release(full[:cut])
+        end = len(full.rstrip("\ufffd"))
+        held = max((n for s in self.stop for n in range(1, len(s)) if full[:end].endswith(s[:n])), default=0)
+        return self._release(full[:end - held])
+
+    def finish(self) -> str:
+        """The text still held back, at the end of the generation."""
+        if self.stopped:
+            return ""
+        return self._release(self.tokenizer.decode(self.ids))
+
+    def _release(self, text: str) -> str:
+        if len(text) <= len(self.text):
+            return ""
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+
+def _eos(lm, tokenizer, eos_ids) -> tuple:
+    return tuple(dict.fromkeys((*lm.eos_ids, *tokenizer.eos_ids))) if eos_ids is None else tuple(eos_ids)
+
+
+def _pieces(lm, tokenizer, prompts, max_new_tokens, stop, eos_ids, sampling) -> Iterator[list[str]]:
+    """Each step's text pieces, one per prompt; rows stop at EOS, at a stop string, or at max_new_tokens."""
+    ids = [tokenizer.encode(p) if isinstance(p, (str, bytes)) else list(p) for p in prompts]
+    streams = [TextStream(tokenizer, stop) for _ in ids]
+    eos = _eos(lm, tokenizer, eos_ids)
+    pieces = []
+
+    def until(tokens):
+        pieces[:] = [s.push(t) if t >= 0 and t not in eos else "" for s, t in zip(streams, tokens.tolist())]
+        return torch.tensor([s.stopped for s in streams], device=tokens.device)
+
+    for _ in lm.stream(ids, max_new_tokens, eos_ids=eos, until=until, **sampling):
+        yield pieces
+    yield [s.finish() for s in streams]
+
+
+def stream_text(lm, tokenizer, prompt, max_new_tokens: int = 64, *, stop=(), eos_ids=None, **sampling) -> Iterator[str]:
+    """The continuation of one prompt (text, or token ids) in pieces, as they are made.
+
+    It ends at one of `eos_ids` (default: the model's and the tokenizer's EOS ids; the EOS text is not
+    shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields.
+    """
+    for (piece,) in _pieces(lm, tokenizer, [prompt], max_new_tokens, stop, eos_ids, sampling):
+        if piece:
+            yield piece
+
+
+def generate_text(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None,
+                  **sampling) -> list[str]:
+    """The continuation of each prompt, as `stream_text` ends it; prompts of any lengths share one batch."""
+    texts = [""] * len(prompts)
+    for pieces in _pieces(lm, tokenizer, prompts, max_new_tokens, stop, eos_ids, sampling):
+        texts = [text + piece for text, piece in zip(texts, pieces)]
+    return texts
