@@ -2,6 +2,7 @@
 
 import json
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def resolve_device(device) -> torch.device:
             raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s)")
     elif device.type not in ("cpu", "mps"):
         raise ValueError(f"device {str(device)!r} is not supported (cpu, cuda, mps)")
+    if device.type != "cpu" and device.index is None:  # "cuda" -> "cuda:0": the device its tensors report
+        device = torch.empty(0, device=device).device
     return device
 
 
@@ -96,6 +99,18 @@ def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
+def _moved(value, device):
+    """A copy of a per-forward context (dataclass, dict or tensor) with its tensors on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
 def as_ids(ids, *, column: bool = False) -> torch.Tensor:
     """Token ids from a tensor, numpy array or nested lists, as a (B, L) int64 tensor.
 
@@ -127,10 +142,13 @@ def as_ids(ids, *, column: bool = False) -> torch.Tensor:
 class CausalLM:
     """A causal language model loaded from a checkpoint directory."""
 
-    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None):
+    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None, layer_devices=None):
         self.plan = plan
         self.dtype = dtype
         self.device = resolve_device(device)
+        # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
+        # The embedding lives with the first block, the norm and head with the last.
+        self.layer_devices = [self.device] * plan.n_layers if layer_devices is None else list(layer_devices)
         self.vocab_size = plan.vocab_size
         self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
         with torch.device("meta"):
@@ -138,10 +156,13 @@ class CausalLM:
                 TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i])
                 for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
-        self.blocks.to(dtype).to_empty(device=self.device)
-        self.norm.to(dtype).to_empty(device=self.device)
-        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=self.device)
-        self.head = self.embed if plan.tie_embeddings else torch.empty_like(self.embed)
+        first, last = self.layer_devices[0], self.layer_devices[-1]
+        for block, layer_device in zip(self.blocks, self.layer_devices):
+            block.to(dtype).to_empty(device=layer_device)
+        self.norm.to(dtype).to_empty(device=last)
+        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
+        tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
+        self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
         self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
         self.unused_names: list[str] = []
         self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
@@ -182,8 +203,8 @@ class CausalLM:
                 param = block.get_parameter(key)
                 yield name, param if rows is None else param[rows]
         yield plan.norm_name, self.norm.weight
-        if plan.head_name:
-            yield plan.head_name, self.head
+        if plan.head_name or self.head is not self.embed:
+            yield plan.head_name or plan.embed_name, self.head
 
     def _fill(self, checkpoint: Checkpoint, progress=None):
         targets = list(self._targets())
@@ -194,6 +215,8 @@ class CausalLM:
             if info.shape != tuple(dest.shape):
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
+        self.unused_names = sorted(set(checkpoint.names()) - {name for name, _ in targets})
+        targets = [(name, dest) for name, dest in targets if not dest.is_meta]  # meta: another process's share
         bf16 = "bits" if self.dtype == torch.bfloat16 else "widen"
         for done, (name, dest) in enumerate(targets, 1):
             with torch.no_grad():
@@ -201,7 +224,6 @@ class CausalLM:
             self._weights[name] = dest
             if progress:
                 progress(done, len(targets))
-        self.unused_names = sorted(set(checkpoint.names()) - set(self._weights))
         self._check_finite()
 
     def _check_finite(self):
@@ -209,7 +231,7 @@ class CausalLM:
         names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
         names += [n for n in self._weights if n.endswith("norm.weight")]
         for name in dict.fromkeys(names):
-            if not torch.isfinite(self._weights[name]).all():
+            if name in self._weights and not torch.isfinite(self._weights[name]).all():
                 raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -231,7 +253,7 @@ class CausalLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_positions is not None and max_tokens > self.max_positions:
             raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
-        layers = [b.new_cache(batch_size, max_tokens, self.dtype, self.device) for b in self.blocks]
+        layers = [b.new_cache(batch_size, max_tokens, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
         offsets = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         return CausalLMState(layers, batch_size, max_tokens, offsets, owner=self)
 
@@ -335,9 +357,11 @@ class CausalLM:
     @torch.no_grad()
     def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:
         """The one path every entry point takes; ids are already checked."""
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids.to(self.device), self.embed)
         ctx = self._attention_context(ids.shape, state)
         for i, block in enumerate(self.blocks):
+            if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
+                x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
             x = block(x, None if state is None else state.layers[i], ctx)
         if state is not None:
             state.length += ids.shape[1]
