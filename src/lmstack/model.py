@@ -1,8 +1,8 @@
 """CausalLM: embedding gather -> blocks -> final norm -> head, with a decode state the caller owns."""
 
+import dataclasses
 import json
 from collections.abc import Iterator
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks.mamba1 import Mamba1Block, RecurrentContext
+from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
 from .config import HFConfig, ModelPlan, plan_for
@@ -19,18 +21,26 @@ from .rope import Rotary
 from .sampling import Sampler
 
 WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RECURRENT_BLOCKS = {"mamba1": Mamba1Block, "mamba2": Mamba2Block}
+
+
+def _block(plan: ModelPlan, i: int, dtype) -> nn.Module:
+    """Layer i of the plan's kind, its parameters in dtype (Mamba blocks keep a few float32: blocks/mamba1.py)."""
+    if plan.kind in RECURRENT_BLOCKS:
+        return RECURRENT_BLOCKS[plan.kind](plan.d_model, plan.block_options, dtype)
+    return TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i]).to(dtype)
 
 
 @dataclass
 class CausalLMState:
-    """Per-layer decode state (KV caches), preallocated for `max_tokens`; owned by the caller.
+    """Per-layer decode state (KV caches, or conv and SSM states), preallocated; owned by the caller.
 
     `length` cache slots are filled; row b's real tokens start at slot `offsets[b]` (left padding).
     """
 
     layers: list
     batch_size: int
-    max_tokens: int
+    max_tokens: int | None  # None: no limit (a recurrent state does not grow)
     offsets: torch.Tensor
     length: int = 0
     owner: object = field(default=None, repr=False)
@@ -78,6 +88,18 @@ def eos_ids(config, directory: Path | None = None) -> tuple[int, ...]:
     return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
+def _moved(value, device):
+    """A copy of a per-forward context (dataclass, dict or tensor) with its tensors on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
 def left_pad(ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of token ids, rectangular or ragged, as (B, L) left-padded with 0, and each row's padding."""
     if isinstance(ids, (list, tuple)) and ids and all(not isinstance(row, int) for row in ids):
@@ -97,18 +119,6 @@ def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
     """isfinite in slices, so checking a large embedding allocates no second copy of it."""
     flat = tensor.reshape(-1)
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
-
-
-def _moved(value, device):
-    """A copy of a per-forward context (dataclass, dict or tensor) with its tensors on `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _moved(v, device) for k, v in value.items()}
-    if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
-    return value
 
 
 def as_ids(ids, *, column: bool = False) -> torch.Tensor:
@@ -152,18 +162,19 @@ class CausalLM:
         self.vocab_size = plan.vocab_size
         self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
         with torch.device("meta"):
-            self.blocks = nn.ModuleList(
-                TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i])
-                for i in range(plan.n_layers))
+            self.blocks = nn.ModuleList(_block(plan, i, dtype) for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
         first, last = self.layer_devices[0], self.layer_devices[-1]
         for block, layer_device in zip(self.blocks, self.layer_devices):
-            block.to(dtype).to_empty(device=layer_device)
-        self.norm.to(dtype).to_empty(device=last)
+            block.to_empty(device=layer_device)
+        # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
+        self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
         self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
         tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
         self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
-        self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
+        self.rotary = None
+        if plan.kind == "transformer":
+            self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
         self.unused_names: list[str] = []
         self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
         self._weights: dict[str, torch.Tensor] = {}
@@ -172,7 +183,8 @@ class CausalLM:
 
     @classmethod
     def load(cls, path, *, weight_format="float32", max_positions=None, device="auto", progress=None):
-        """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json), or a GGUF file.
+        """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json), or a GGUF file
+        (a path, or an open GGUFFile, which the load closes).
 
         `progress(done, total)` is called after each tensor is read.
         """
@@ -181,15 +193,15 @@ class CausalLM:
         if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
                                           or max_positions < 1):
             raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
-        path = Path(path)
-        if is_gguf(path):
-            source = GGUFFile(path)
-            config = source.config
+        if isinstance(path, GGUFFile) or is_gguf(path):  # an open GGUFFile spares parsing its metadata twice
+            source = path if isinstance(path, GGUFFile) else GGUFFile(path)
+            config, directory = source.config, None
         else:
+            path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
-            source = Checkpoint(path)
+            source, directory = Checkpoint(path), config.path.parent
         model = cls(plan_for(config), dtype=WEIGHT_FORMATS[weight_format], device=device, max_positions=max_positions)
-        model.eos_ids = eos_ids(config, None if is_gguf(path) else config.path.parent)
+        model.eos_ids = eos_ids(config, directory)
         with source:
             model._fill(source, progress)
         return model
@@ -217,10 +229,9 @@ class CausalLM:
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
         self.unused_names = sorted(set(checkpoint.names()) - {name for name, _ in targets})
         targets = [(name, dest) for name, dest in targets if not dest.is_meta]  # meta: another process's share
-        bf16 = "bits" if self.dtype == torch.bfloat16 else "widen"
         for done, (name, dest) in enumerate(targets, 1):
             with torch.no_grad():
-                dest.copy_(checkpoint.read(name, bf16=bf16))
+                dest.copy_(checkpoint.read(name, bf16="bits"))  # copy_ converts: one transient per tensor
             self._weights[name] = dest
             if progress:
                 progress(done, len(targets))
@@ -231,7 +242,7 @@ class CausalLM:
         names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
         names += [n for n in self._weights if n.endswith("norm.weight")]
         for name in dict.fromkeys(names):
-            if name in self._weights and not torch.isfinite(self._weights[name]).all():
+            if name in self._weights and not _all_finite(self._weights[name]):
                 raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -246,9 +257,15 @@ class CausalLM:
     # ---- state ---------------------------------------------------------------------------
 
     def allocate_state(self, batch_size: int, max_tokens: int | None = None) -> CausalLMState:
-        """A decode state for `batch_size` rows and up to `max_tokens` tokens (default: max_positions)."""
+        """A decode state for `batch_size` rows and up to `max_tokens` tokens (default: max_positions).
+
+        A recurrent model's state does not grow: without max_tokens (and max_positions) it takes any number.
+        """
         max_tokens = self.max_positions if max_tokens is None else max_tokens
-        for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens)):
+        checked = [("batch_size", batch_size)]
+        if max_tokens is not None or self.rotary is not None:
+            checked.append(("max_tokens", max_tokens))
+        for name, value in checked:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_positions is not None and max_tokens > self.max_positions:
@@ -268,7 +285,7 @@ class CausalLM:
             raise ValueError("state was not allocated by this model (use model.allocate_state)")
         if batch is not None and batch != state.batch_size:
             raise ValueError(f"ids have batch size {batch}, the state was allocated for {state.batch_size}")
-        if state.length + n_new > state.max_tokens:
+        if state.max_tokens is not None and state.length + n_new > state.max_tokens:
             raise ValueError(f"{n_new} new tokens after {state.length} exceed the state's capacity "
                              f"of {state.max_tokens} tokens")
 
@@ -358,7 +375,10 @@ class CausalLM:
     def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:
         """The one path every entry point takes; ids are already checked."""
         x = F.embedding(ids.to(self.device), self.embed)
-        ctx = self._attention_context(ids.shape, state)
+        if self.rotary is None:
+            ctx = self._recurrent_context(ids.shape, state)
+        else:
+            ctx = self._attention_context(ids.shape, state)
         for i, block in enumerate(self.blocks):
             if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
                 x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
@@ -367,7 +387,7 @@ class CausalLM:
             state.length += ids.shape[1]
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x), self.head)
+        return F.linear(self.norm(x).to(self.head.dtype), self.head)
 
     def _attention_context(self, shape, state) -> AttentionContext:
         B, L = shape
@@ -378,6 +398,14 @@ class CausalLM:
         cos, sin = self.rotary(positions, self.dtype)
         masks = {w: self._mask(slots, start + L, w, offsets) for w in set(self.plan.layer_windows)}
         return AttentionContext(start, cos, sin, masks)
+
+    def _recurrent_context(self, shape, state) -> RecurrentContext:
+        """Left padding (slots before offsets[b]) is masked, so a row's state stays zero until its first token."""
+        start = 0 if state is None else state.length
+        if state is None or int(state.offsets.max()) <= start:
+            return RecurrentContext(start)
+        slots = torch.arange(start, start + shape[1], device=self.device)
+        return RecurrentContext(start, slots[None] >= state.offsets[:, None])
 
     def _mask(self, slots, n_keys, window, offsets):
         """None where SDPA's own causal flag is exact; else a boolean (B or 1, 1, L, S) mask."""
