@@ -5,6 +5,7 @@ renamed to the Hugging Face names the plan reads, dequantized on read, and the q
 llama.cpp's converter permutes for its rotary layout are put back in Hugging Face's order.
 """
 
+import json
 from pathlib import Path
 
 import gguf
@@ -13,16 +14,17 @@ import torch
 from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo
-from .config import UnsupportedModel
+from .config import UnsupportedModel, plan_for
 
 MAGIC = b"GGUF"
 
-# GGUF general.architecture -> (Hugging Face model_type, q/k rows permuted by llama.cpp's converter)
+# GGUF general.architecture -> (Hugging Face model_type, q/k rows permuted by llama.cpp's converter,
+# the transformers class `convert` names in config.json)
 ARCHITECTURES = {
-    "llama": ("llama", True),
-    "mistral": ("mistral", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
+    "llama": ("llama", True, "LlamaForCausalLM"),
+    "mistral": ("mistral", True, "MistralForCausalLM"),
+    "qwen2": ("qwen2", False, "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", False, "Qwen3ForCausalLM"),
 }
 
 NAMES = {
@@ -123,7 +125,7 @@ class GGUFFile:
 
     def _config(self) -> dict:
         """The config.json a Hugging Face checkpoint of the same model would carry."""
-        model_type, _ = ARCHITECTURES[self.arch]
+        model_type = ARCHITECTURES[self.arch][0]
         if "rope_freqs.weight" in self._tensors:
             raise UnsupportedModel(f"{self.path}: tensor 'rope_freqs.weight' (rotary frequencies stored as "
                                    f"a tensor, as for Llama 3.1 scaling) is not supported")
@@ -189,9 +191,9 @@ class GGUFFile:
         t = self._tensor(name)
         return TensorInfo(t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), self.path)
 
-    def nbytes(self) -> int:
-        """Bytes of tensor data in the file, as stored (quantized)."""
-        return sum(int(t.n_bytes) for t in self._tensors.values())
+    def nbytes(self, name: str) -> int:
+        """Bytes of the tensor in the file, as stored (quantized)."""
+        return int(self._tensor(name).n_bytes)
 
     def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
         """The tensor dequantized to float32, in Hugging Face's layout (bf16 is accepted for Checkpoint's surface)."""
@@ -261,3 +263,49 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
+
+
+def convert(path, out, progress=None):
+    """Write a GGUF file as a Hugging Face checkpoint directory that transformers loads.
+
+    config.json, model.safetensors (the plan's tensors, dequantized to float32), tokenizer.json,
+    tokenizer_config.json and generation_config.json; the model is refused before anything is written.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    with GGUFFile(path) as source:
+        plan = plan_for(source.config)
+        names = list(dict.fromkeys(plan.weight_names()))
+        for name in names:
+            if name not in source:
+                raise CheckpointError(f"{source.path}: missing tensor {name!r} (Hugging Face name)")
+        tokenizer = source.tokenizer()
+        texts = source.get("tokenizer.ggml.tokens")
+        bos, eos = source.get("tokenizer.ggml.bos_token_id", None), source.eos_ids()
+        pad = source.get("tokenizer.ggml.padding_token_id", None)
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None if bos is None else texts[bos],
+            "eos_token": texts[eos[0]] if eos else None,
+            "pad_token": None if pad is None else texts[pad],
+            "add_bos_token": bool(source.get("tokenizer.ggml.add_bos_token", False)),
+            "add_eos_token": bool(source.get("tokenizer.ggml.add_eos_token", False)),
+            "clean_up_tokenization_spaces": False,
+            "chat_template": source.get("tokenizer.chat_template", None),
+        }
+        generation = {"bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+                      "pad_token_id": pad}
+        config = {"architectures": [ARCHITECTURES[source.arch][2]], **source.config, "dtype": "float32"}
+        tensors = {}
+        for done, name in enumerate(names, 1):
+            tensors[name] = source.read(name).contiguous()
+            if progress:
+                progress(done, len(names))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
+    for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
+                       ("generation_config.json", generation)):
+        (out / name).write_text(json.dumps({k: v for k, v in data.items() if v is not None}, indent=2) + "\n",
+                                encoding="utf-8")

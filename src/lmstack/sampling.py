@@ -62,13 +62,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None, generator) -> torch.Tensor:
         """Next tokens (B,) from logits (B, vocab); `seen` (B, vocab) marks the tokens the penalty applies to."""
-        if seen is not None and self.repetition_penalty != 1:
-            logits = logits.float()
-            penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
-            logits = torch.where(seen, penalized, logits)
         if self.greedy:
-            return logits.argmax(-1)
-        logits = logits.float() / self.temperature
+            return self.penalize(logits, seen).argmax(-1)
+        probs = self.filter(logits, seen).softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    def penalize(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """The repetition penalty: seen tokens' positive logits divided by it, negative ones multiplied."""
+        if seen is None or self.repetition_penalty == 1:
+            return logits
+        penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+        return torch.where(seen, penalized, logits)
+
+    def filter(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 logits sampling draws from: penalized, tempered, and -inf outside top-k/top-p/min-p."""
+        logits = self.penalize(logits.float(), seen) / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
@@ -78,10 +86,10 @@ class Sampler:
             drop = probs.cumsum(-1) - probs >= self.top_p  # the mass before a token already reaches top_p
             drop[:, 0] = False
             logits = logits.scatter(-1, order, ranked.masked_fill(drop, -math.inf))
-        probs = logits.softmax(-1)
         if self.min_p:
-            probs = probs.masked_fill(probs < self.min_p * probs.max(-1, keepdim=True).values, 0)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.max(-1, keepdim=True).values, -math.inf)
+        return logits
 
 
 class TextStream:
@@ -134,8 +142,12 @@ def _eos(lm, tokenizer, eos_ids) -> tuple:
     return tuple(dict.fromkeys((*lm.eos_ids, *tokenizer.eos_ids))) if eos_ids is None else tuple(eos_ids)
 
 
-def _pieces(lm, tokenizer, prompts, max_new_tokens, stop, eos_ids, sampling) -> Iterator[list[str]]:
-    """Each step's text pieces, one per prompt; rows stop at EOS, at a stop string, or at max_new_tokens."""
+def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None,
+               **sampling) -> Iterator[list[str]]:
+    """Each step's text pieces, one per prompt (maybe empty), and last the text still held back.
+
+    Rows stop as `stream_text` says; prompts are text or token ids, of any lengths.
+    """
     ids = [tokenizer.encode(p) if isinstance(p, (str, bytes)) else list(p) for p in prompts]
     streams = [TextStream(tokenizer, stop) for _ in ids]
     eos = _eos(lm, tokenizer, eos_ids)
@@ -156,7 +168,7 @@ def stream_text(lm, tokenizer, prompt, max_new_tokens: int = 64, *, stop=(), eos
     It ends at one of `eos_ids` (default: the model's and the tokenizer's EOS ids; the EOS text is not
     shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields.
     """
-    for (piece,) in _pieces(lm, tokenizer, [prompt], max_new_tokens, stop, eos_ids, sampling):
+    for (piece,) in text_steps(lm, tokenizer, [prompt], max_new_tokens, stop=stop, eos_ids=eos_ids, **sampling):
         if piece:
             yield piece
 
@@ -165,6 +177,6 @@ def generate_text(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), 
                   **sampling) -> list[str]:
     """The continuation of each prompt, as `stream_text` ends it; prompts of any lengths share one batch."""
     texts = [""] * len(prompts)
-    for pieces in _pieces(lm, tokenizer, prompts, max_new_tokens, stop, eos_ids, sampling):
+    for pieces in text_steps(lm, tokenizer, prompts, max_new_tokens, stop=stop, eos_ids=eos_ids, **sampling):
         texts = [text + piece for text, piece in zip(texts, pieces)]
     return texts
