@@ -1,0 +1,299 @@
+"""Tokenizer: the ids of `tokenizers`, text back, chat prompts as transformers renders them.
+
+The oracles run in the test: `tokenizers` on the same file for ids, transformers for chat prompts.
+"""
+
+import json
+import shutil
+import unicodedata
+from functools import cache
+from pathlib import Path
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from lmstack.tokenizer import BYTE_CHARS, Tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tokenizers"
+FILES = [("smollm2", "tokenizer.json"), ("smollm2", "tokenizer.split_form.json"), ("qwen2", "tokenizer.json")]
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # from the fixtures' README
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "Four."},
+     {"role": "user", "content": "Ünïcödé, 日本語, <|im_end|> and \"quotes\""}],
+]
+
+
+@cache
+def load(name, file="tokenizer.json"):
+    return Tokenizer.from_pretrained(FIXTURES / name / file)
+
+
+@cache
+def reference(name, file="tokenizer.json"):
+    return tokenizers.Tokenizer.from_file(str(FIXTURES / name / file))
+
+
+@cache
+def records(name):
+    return [json.loads(line) for line in (FIXTURES / name / "sample_corpus.expected.jsonl").open(encoding="utf-8")]
+
+
+def spec(name):
+    return json.loads((FIXTURES / name / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def byte_tokenizer(**options):
+    """A small byte-level BPE from parts: one token per byte, no merges."""
+    return Tokenizer([bytes([b]) for b in range(256)], [], pattern="gpt2", **options)
+
+
+@pytest.mark.parametrize("name,file", FILES)
+def test_ids_equal_the_fixture_and_tokenizers(name, file):
+    tok, ref, recs = load(name, file), reference(name, file), records(name)
+    for r in recs:
+        assert tok.encode(r["text"], allow_special=True) == r["ids"], r["text"]
+        assert r["ids"] == ref.encode(r["text"], add_special_tokens=False).ids, r["text"]
+    assert tok.encode_batch([r["text"] for r in recs], allow_special=True) == [r["ids"] for r in recs]
+    assert tok.encode_bytes(recs[0]["text"].encode(), allow_special=True) == recs[0]["ids"]
+
+
+@pytest.mark.parametrize("name,file", FILES)
+def test_decode_round_trips(name, file):
+    tok, ref = load(name, file), reference(name, file)
+    normalize = (lambda s: unicodedata.normalize("NFC", s)) if name == "qwen2" else (lambda s: s)
+    for r in records(name):
+        assert tok.decode(tok.encode(r["text"])) == normalize(r["text"])
+        assert tok.decode(r["ids"]) == ref.decode(r["ids"], skip_special_tokens=False)
+        assert b"".join(tok.pretokenize(r["text"].encode())) == normalize(r["text"]).encode()
+
+
+def test_pattern_is_recognized():
+    assert [load(name, file).pattern for name, file in FILES] == ["smollm", "smollm", "qwen2"]
+    assert load("smollm2").pretokenize(b"Hi  there 123") == [b"Hi", b" ", b" there", b" ", b"1", b"2", b"3"]
+
+
+@cache
+def parts(name):
+    """tokens, merges and added tokens of a fixture, as bytes."""
+    model, added = spec(name)["model"], spec(name)["added_tokens"]
+    to_bytes = {c: b for b, c in enumerate(BYTE_CHARS)}
+    spelled = lambda token: bytes(to_bytes[c] for c in token)  # noqa: E731
+    vocab = sorted(model["vocab"].items(), key=lambda item: item[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    merges = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
+    return ([spelled(token) for token, _ in vocab], [(spelled(a), spelled(b)) for a, b in merges],
+            {t["content"]: t["id"] for t in added})
+
+
+@pytest.mark.parametrize("name,pattern,normalizer", [("smollm2", "smollm", None), ("qwen2", "qwen2", "NFC")])
+def test_tokenizer_from_parts_equals_the_loaded_one(name, pattern, normalizer):
+    tokens, merges, added = parts(name)
+    loaded = load(name)
+    tok = Tokenizer(tokens, merges, pattern=pattern, added=added, normalizer=normalizer,
+                    bos_ids=loaded.bos_ids, eos_ids=loaded.eos_ids)
+    assert (tok.pattern, tok.n_vocab) == (pattern, loaded.n_vocab)
+    texts = [r["text"] for r in records(name)]
+    assert tok.encode_batch(texts, allow_special=True) == loaded.encode_batch(texts, allow_special=True)
+    assert tok.encode_batch(texts) == loaded.encode_batch(texts)
+    ids = loaded.encode_batch(texts, allow_special=True)
+    assert [tok.decode(i) for i in ids] == [loaded.decode(i) for i in ids]
+
+
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_llama3_pattern_on_qwen2_vocabulary_equals_tokenizers_pipeline(ignore_merges):
+    tokens, merges, _ = parts("qwen2")
+    tok = Tokenizer(tokens, merges, pattern="llama3", ignore_merges=ignore_merges)
+    model = spec("qwen2")["model"]
+    ref = tokenizers.Tokenizer(models.BPE(model["vocab"], [tuple(m) for m in model["merges"]],
+                                          ignore_merges=ignore_merges))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(tokenizers.Regex(LLAMA3_REGEX), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    texts = [r["text"] for r in records("qwen2")] + ["1234567 and 89, 3.14159", "x=100000;"]
+    assert tok.encode_batch(texts) == [e.ids for e in ref.encode_batch(texts)]
+    assert tok.pretokenize(b"1234567") == [b"123", b"456", b"7"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2"])
+def test_special_tokens_match_only_with_allow_special(name):
+    tok, ref = load(name), reference(name)
+    text = "<|im_start|>user\nhi<|im_end|>\n"
+    assert tok.encode(text, allow_special=True) == ref.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, allow_special=True)[0] == ref.token_to_id("<|im_start|>")
+    without_added = tokenizers.Tokenizer.from_str(json.dumps({**spec(name), "added_tokens": []}))
+    assert tok.encode(text) == without_added.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == tok.decode(tok.encode(text, allow_special=True)) == text
+
+
+def test_bos_and_eos_come_from_tokenizer_config(tmp_path):
+    ref = reference("smollm2")
+    assert load("smollm2").encode("Hi there") == ref.encode("Hi there").ids  # add_bos_token: false
+    shutil.copy(FIXTURES / "smollm2" / "tokenizer.json", tmp_path)
+    config = json.loads((FIXTURES / "smollm2" / "tokenizer_config.json").read_text())
+    config = {**config, "add_bos_token": True, "add_eos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    bos, eos = ref.token_to_id(config["bos_token"]), ref.token_to_id(config["eos_token"])
+    assert (tok.bos_ids, tok.eos_ids) == ((bos,), (eos,))
+    assert tok.encode("Hi there") == [bos, *ref.encode("Hi there").ids, eos]
+    assert tok.encode("Hi there", add_special_tokens=False) == ref.encode("Hi there").ids
+    assert tok.encode_batch(["Hi", "there"]) == [[bos, *ref.encode(t).ids, eos] for t in ["Hi", "there"]]
+    assert byte_tokenizer(bos_ids=[65], add_bos=True).encode("B") == [65, 66]
+
+
+@cache
+def transformers_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2"])
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(name, conversation, add_generation_prompt):
+    expected = transformers_tokenizer(str(FIXTURES / name)).apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert load(name).apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_template_variables_equal_transformers(tmp_path):
+    template = ("{{ bos_token }}{% set ns = namespace(n=0) %}\n{% for m in messages %}\n"
+                "    {% if loop.index > 2 %}{% break %}{% endif %}\n"
+                "    {% set ns.n = ns.n + 1 %}{{ m | tojson }}\n{% endfor %}\n{{ ns.n }}"
+                "{% if tools is none and documents is none %} no tools{% endif %}{{ eos_token }}\n"
+                "{% if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}")
+    shutil.copy(FIXTURES / "smollm2" / "tokenizer.json", tmp_path)
+    config = json.loads((FIXTURES / "smollm2" / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    conversation = CONVERSATIONS[1]
+    expected = transformers_tokenizer(str(tmp_path)).apply_chat_template(conversation, tokenize=False,
+                                                                          add_generation_prompt=True)
+    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(conversation) == expected
+
+
+def test_a_template_that_raises_gives_its_message():
+    tok = byte_tokenizer(chat_template="{% if messages[0]['role'] != 'user' %}"
+                                       "{{ raise_exception('Conversations must start with the user') }}{% endif %}ok")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "ok"
+    with pytest.raises(ValueError, match="chat template: Conversations must start with the user"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(ValueError, match="no chat_template"):
+        byte_tokenizer().apply_chat_template([])
+    with pytest.raises(ValueError, match="chat template: Expected an expression"):
+        byte_tokenizer(chat_template="{% for %}").apply_chat_template([])
+
+
+@pytest.mark.parametrize("escape", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('echo escaped') }}",
+    "{{ messages.append(1) }}",
+])
+def test_sandbox_refuses_escape_attempts(escape):
+    with pytest.raises(ValueError, match="chat template: .*unsafe"):
+        byte_tokenizer(chat_template=escape).apply_chat_template([])
+
+
+def test_unencodable_character_is_refused_not_dropped():
+    tok, ref = load("smollm2"), reference("smollm2")
+    assert ref.decode(ref.encode("ab\x04c").ids) == "abc"  # what lmstack refuses to do silently
+    with pytest.raises(ValueError, match=r"character '\\x04' \(U\+0004\) at position 2 .* byte 0x04"):
+        tok.encode("ab\x04c")
+    with pytest.raises(ValueError, match=r"text 1: character '\\U00040000' \(U\+40000\) at position 1 .* 0xF1"):
+        tok.encode_batch(["fine", "x\U00040000"])
+    assert load("qwen2").decode(load("qwen2").encode("ab\x04c\U00040000")) == "ab\x04c\U00040000"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec="utf-8"), max_size=40))
+def test_lmstack_refuses_exactly_the_text_tokenizers_drops(text):
+    tok, ref = load("smollm2"), reference("smollm2")
+    ids = ref.encode(text, add_special_tokens=False).ids
+    try:
+        assert tok.encode(text) == ids
+    except ValueError:
+        assert ref.decode(ids) != text
+    else:
+        assert tok.decode(ids) == ref.decode(ids) == text
+
+
+def test_bad_inputs_are_named(tmp_path):
+    tok = load("smollm2")
+    with pytest.raises(ValueError, match="id 49152 at position 1 is not in the vocabulary"):
+        tok.decode([5, 49152])
+    with pytest.raises(ValueError, match="id -1 at position 0"):
+        tok.decode_bytes([-1])
+    with pytest.raises(ValueError, match="not UTF-8: byte 0xFF at position 1"):
+        tok.encode(b"a\xffb")
+    with pytest.raises(TypeError, match="expected str or UTF-8 bytes, got int"):
+        tok.encode(5)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "tokenizer.json")):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not valid JSON"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Magic"}}))
+    with pytest.raises(ValueError, match="tokenizer.json: model.type 'Magic'"):
+        Tokenizer.from_pretrained(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="pattern 'llama' is not a name in PATTERNS"):
+        Tokenizer([b"a"], [], pattern="llama")
+    with pytest.raises(ValueError, match="token 1 b'a' repeats token 0"):
+        Tokenizer([b"a", b"a"], [], pattern="gpt2")
+
+
+def other_kinds(kind, directory):
+    """A small tokenizer of another kind, trained on the corpus, saved with a tokenizer_config.json."""
+    lines = (FIXTURES / "sample_corpus.txt").read_text(encoding="utf-8").split("\n")
+    if kind == "sentencepiece_bpe":  # Llama 2 / Mistral: byte fallback, "▁" for spaces, BOS from the template
+        tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        trainer = trainers.BpeTrainer(vocab_size=400, limit_alphabet=60, special_tokens=[
+            "<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))])
+        config = {"bos_token": "<s>", "eos_token": "</s>"}
+    elif kind == "metaspace_unigram":
+        tok = tokenizers.Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"], unk_token="<unk>")
+        config = {"eos_token": "</s>", "add_eos_token": True}
+    else:
+        tok = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer()
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[CLS]", "[SEP]"])
+        config = {}
+    tok.train_from_iterator(lines, trainer)
+    if kind == "sentencepiece_bpe":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if kind == "wordpiece":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok, lines
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece_bpe", "metaspace_unigram", "wordpiece"])
+def test_other_kinds_load_encode_and_decode(kind, tmp_path):
+    ref, lines = other_kinds(kind, tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    eos = [ref.token_to_id("</s>")] if kind == "metaspace_unigram" else []
+    assert tok.encode_batch(lines) == [ref.encode(line).ids + eos for line in lines]
+    assert tok.encode_batch(lines, add_special_tokens=False) == [ref.encode(line, add_special_tokens=False).ids
+                                                                 for line in lines]
+    for line in lines:
+        ids = tok.encode(line)
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False)
+        if kind == "sentencepiece_bpe":
+            assert tok.decode(tok.encode(line, add_special_tokens=False)) == line
+    with pytest.raises(ValueError, match=f"pretokenize needs a byte-level BPE, not a {ref.model.__class__.__name__}"):
+        tok.pretokenize(b"hi")
+    with pytest.raises(ValueError, match="id 100000 at position 0"):
+        tok.decode([100000])
