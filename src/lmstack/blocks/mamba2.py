@@ -19,13 +19,15 @@ from .mamba1 import Mamba1Block, RecurrentContext, SSMCache, causal_conv
 SPAN_CHUNKS = 8
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """out[..., i, j] = a[..., j+1] + ... + a[..., i] for j <= i, else -inf; summed, not differenced, for accuracy."""
-    T = a.shape[-1]
-    a = a[..., None].expand(*a.shape, T)
-    strict = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)
-    out = a.masked_fill(~strict, 0).cumsum(dim=-2)
-    return out.masked_fill(~strict.logical_or(torch.eye(T, dtype=torch.bool, device=a.device)), -torch.inf)
+def _decays(a_cum: torch.Tensor) -> torch.Tensor:
+    """exp(a_cum[i] - a_cum[j]) for j <= i, else 0: the decay from step j to step i inside a chunk.
+
+    The difference of in-chunk cumulative sums, as mamba_ssm's kernels compute it; transformers' masked
+    cumsum over a (T, T) expansion agrees to float32 rounding and costs twice the time.
+    """
+    T = a_cum.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=a_cum.device).tril()
+    return torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(~causal, -torch.inf))
 
 
 def _ssd_span(x, dt, A, B, C, chunk, state):
@@ -40,12 +42,11 @@ def _ssd_span(x, dt, A, B, C, chunk, state):
     dt = dt.unflatten(1, (c, T)).permute(0, 1, 3, 4, 2)  # (b, c, g, r, T)
     B = B.unflatten(1, (c, T)).permute(0, 1, 3, 2, 4)[:, :, :, None]  # (b, c, g, 1, T, n)
     C = C.unflatten(1, (c, T)).permute(0, 1, 3, 2, 4)[:, :, :, None]
-    a = dt * A[..., None]  # log decay of each step
-    a_cum = a.cumsum(dim=-1)
+    a_cum = (dt * A[..., None]).cumsum(dim=-1)  # log decay from the chunk's start
     xdt = x * dt[..., None]
 
     # inside each chunk: y = (C B^T masked by the decays) xdt
-    y = ((C @ B.transpose(-1, -2)) * torch.exp(_segsum(a))) @ xdt
+    y = ((C @ B.transpose(-1, -2)) * _decays(a_cum)) @ xdt
     # each chunk's own contribution to the state at its end
     to_end = torch.exp(a_cum[..., -1:] - a_cum)
     ends = (xdt * to_end[..., None]).transpose(-1, -2) @ B  # (b, c, g, r, p, n)
