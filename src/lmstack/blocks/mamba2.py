@@ -23,7 +23,7 @@ def _decays(a_cum: torch.Tensor) -> torch.Tensor:
     """exp(a_cum[i] - a_cum[j]) for j <= i, else 0: the decay from step j to step i inside a chunk.
 
     The difference of in-chunk cumulative sums, as mamba_ssm's kernels compute it; transformers' masked
-    cumsum over a (T, T) expansion agrees to float32 rounding and costs twice the time.
+    cumsum over a (T, T) expansion agrees to float32 rounding and is slower.
     """
     T = a_cum.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool, device=a_cum.device).tril()
@@ -32,7 +32,7 @@ def _decays(a_cum: torch.Tensor) -> torch.Tensor:
 
 def _ssd_span(x, dt, A, B, C, chunk, state):
     """SSD over one span. x (b, L, g, r, p), dt (b, L, g, r), A (g, r), B, C (b, L, g, n), state (b, g, r, p, n)."""
-    b, L = x.shape[:2]
+    L = x.shape[1]
     T = min(chunk, L)
     pad = -L % T
     if pad:  # dt = 0 past the end: no input, no decay, so the last state is the state after token L
