@@ -110,7 +110,10 @@ class GGUFFile:
             if default is _REQUIRED:
                 raise CheckpointError(f"{self.path}: GGUF metadata lacks {key!r}")
             return default
-        return field.contents()
+        value = field.contents()
+        if field.types == [gguf.GGUFValueType.FLOAT32]:  # the decimal the writer meant: 1e-05, not 9.99999974e-06
+            value = float(str(np.float32(value)))
+        return value
 
     def _check_types(self):
         """Refuse, before reading a weight, any tensor type `gguf` cannot dequantize."""
@@ -152,7 +155,7 @@ class GGUFFile:
             vocab_size=vocab,
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
-            eos_token_id=self.eos_ids() or None,
+            eos_token_id=eos[0] if len(eos := self.eos_ids()) == 1 else eos or None,
         )
         if (head_dim := self.get("{arch}.attention.key_length", None)) is not None:
             config["head_dim"] = head_dim
@@ -294,8 +297,7 @@ def convert(path, out, progress=None):
             "clean_up_tokenization_spaces": False,
             "chat_template": source.get("tokenizer.chat_template", None),
         }
-        generation = {"bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
-                      "pad_token_id": pad}
+        generation = {"bos_token_id": bos, "eos_token_id": source.config["eos_token_id"], "pad_token_id": pad}
         config = {"architectures": [ARCHITECTURES[source.arch][2]], **source.config, "dtype": "float32"}
         tensors = {}
         for done, name in enumerate(names, 1):

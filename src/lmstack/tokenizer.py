@@ -99,13 +99,18 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
-        """Load a directory with `tokenizer.json`, or the `tokenizer.json` itself.
+        """Load a directory with `tokenizer.json`, the `tokenizer.json` itself, or a GGUF file (its metadata).
 
         Beside it, `tokenizer_config.json` gives bos_token/eos_token, add_bos_token/add_eos_token and
         chat_template (`chat_template.jinja` takes precedence); without add_*_token, encode adds what the
         file's TemplateProcessing post-processor adds.
         """
+        from .gguf import GGUFFile, is_gguf
+
         path = Path(path)
+        if is_gguf(path):
+            with GGUFFile(path) as source:
+                return source.tokenizer()
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such tokenizer.json")
@@ -217,6 +222,10 @@ class Tokenizer:
             return b"".join([self._bytes[i] for i in ids])
         except TypeError:  # an id without a token
             self._refuse(ids)
+
+    def to_json(self) -> str:
+        """The `tokenizer.json` text of this tokenizer, as `tokenizers` writes it."""
+        return self._special.to_str()
 
     def decode(self, ids) -> str:
         """The text of the ids, special tokens included; invalid UTF-8 becomes U+FFFD."""

