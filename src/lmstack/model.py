@@ -15,12 +15,12 @@ from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
-from .config import HFConfig, ModelPlan, plan_for
+from .config import HFConfig, ModelPlan, UnsupportedModel, plan_for
+from .formats import QUANTIZED, convert, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
 from .sampling import Sampler
 
-WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RECURRENT_BLOCKS = {"mamba1": Mamba1Block, "mamba2": Mamba2Block}
 
 
@@ -152,9 +152,11 @@ def as_ids(ids, *, column: bool = False) -> torch.Tensor:
 class CausalLM:
     """A causal language model loaded from a checkpoint directory."""
 
-    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None, layer_devices=None):
+    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None, layer_devices=None,
+                 weight_format=None):
         self.plan = plan
-        self.dtype = dtype
+        self.dtype = dtype  # the arithmetic: activations, caches, embedding, norms, head
+        self.weight_format = weight_format or str(dtype).removeprefix("torch.")
         self.device = resolve_device(device)
         # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
         # The embedding lives with the first block, the norm and head with the last.
@@ -162,11 +164,14 @@ class CausalLM:
         self.vocab_size = plan.vocab_size
         self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
         with torch.device("meta"):
-            self.blocks = nn.ModuleList(_block(plan, i, dtype) for i in range(plan.n_layers))
+            # quantized formats are filled in float32 and quantized from that, a layer at a time
+            fill = torch.float32 if self.weight_format in QUANTIZED else dtype
+            self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
         first, last = self.layer_devices[0], self.layer_devices[-1]
         for block, layer_device in zip(self.blocks, self.layer_devices):
             block.to_empty(device=layer_device)
+        self.blocks.requires_grad_(False)
         # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
         self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
         self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
@@ -178,18 +183,20 @@ class CausalLM:
         self.unused_names: list[str] = []
         self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
         self._weights: dict[str, torch.Tensor] = {}
+        self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
 
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path, *, weight_format="float32", max_positions=None, device="auto", progress=None):
+    def load(cls, path, *, weight_format="float32", numeric_profile=None, max_positions=None, device="auto",
+             progress=None):
         """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json), or a GGUF file
         (a path, or an open GGUFFile, which the load closes).
 
-        `progress(done, total)` is called after each tensor is read.
+        `weight_format` is how projection matrices are stored, `numeric_profile` the arithmetic
+        (see formats.py for the pairs). `progress(done, total)` is called after each tensor is read.
         """
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        dtype = resolve(weight_format, numeric_profile)
         if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
                                           or max_positions < 1):
             raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
@@ -200,42 +207,70 @@ class CausalLM:
             path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
             source, directory = Checkpoint(path), config.path.parent
-        model = cls(plan_for(config), dtype=WEIGHT_FORMATS[weight_format], device=device, max_positions=max_positions)
+        plan = plan_for(config)
+        if weight_format in ("int8", "int4") and plan.kind != "transformer":
+            raise UnsupportedModel(f"weight_format {weight_format!r} is not available for {plan.kind} models "
+                                   f"(model_type {plan.model_type!r}); use float32 or bfloat16")
+        model = cls(plan, dtype=dtype, device=device, max_positions=max_positions, weight_format=weight_format)
         model.eos_ids = eos_ids(config, directory)
         with source:
             model._fill(source, progress)
         return model
 
     def _targets(self):
-        """(checkpoint name, destination tensor) for every tensor the plan reads."""
+        """(checkpoint name, destination tensor, layer or None) for every tensor the plan reads."""
         plan = self.plan
-        yield plan.embed_name, self.embed
+        yield plan.embed_name, self.embed, None
         for i, block in enumerate(self.blocks):
             for key, name, rows in plan.layer_weights(i):
                 param = block.get_parameter(key)
-                yield name, param if rows is None else param[rows]
-        yield plan.norm_name, self.norm.weight
+                yield name, param if rows is None else param[rows], i
+        yield plan.norm_name, self.norm.weight, None
         if plan.head_name or self.head is not self.embed:
-            yield plan.head_name or plan.embed_name, self.head
+            yield plan.head_name or plan.embed_name, self.head, None
 
     def _fill(self, checkpoint: Checkpoint, progress=None):
         targets = list(self._targets())
-        for name, dest in targets:  # every name and shape checked before a byte is read
+        for name, dest, _ in targets:  # every name and shape checked before a byte is read
             if name not in checkpoint:
                 raise CheckpointError(f"{checkpoint.path}: missing tensor {name!r}")
             info = checkpoint.info(name)
             if info.shape != tuple(dest.shape):
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
-        self.unused_names = sorted(set(checkpoint.names()) - {name for name, _ in targets})
-        targets = [(name, dest) for name, dest in targets if not dest.is_meta]  # meta: another process's share
-        for done, (name, dest) in enumerate(targets, 1):
+        self.unused_names = sorted(set(checkpoint.names()) - {name for name, _, _ in targets})
+        targets = [t for t in targets if not t[1].is_meta]  # meta: another process's share
+        for done, (name, dest, layer) in enumerate(targets, 1):
             with torch.no_grad():
                 dest.copy_(checkpoint.read(name, bf16="bits"))  # copy_ converts: one transient per tensor
             self._weights[name] = dest
+            if layer is not None and (done == len(targets) or targets[done][2] != layer):
+                self._store_projections(layer)  # a layer at a time: its dense copy never coexists with others
             if progress:
                 progress(done, len(targets))
         self._check_finite()
+
+    def _store_projections(self, i: int):
+        """Re-store layer i's projection matrices in the weight format (formats.convert)."""
+        block = self.blocks[i]
+        for path in getattr(block, "PROJECTIONS", ()):
+            owner_path, attribute = path.rsplit(".", 1)
+            owner = block.get_submodule(owner_path)
+            linear = getattr(owner, attribute)
+            stored = convert(linear, self.weight_format, self.dtype)
+            if stored is linear:
+                continue
+            setattr(owner, attribute, stored)
+            for key, name, rows in self.plan.layer_weights(i):
+                if key.startswith(path + "."):
+                    self._converted[name] = (stored, rows, key.rsplit(".", 1)[1])
+                    del self._weights[name]
+        if self.weight_format in QUANTIZED:  # the norms left in float32 take the arithmetic's dtype
+            block.to(self.dtype)
+            for key, name, rows in self.plan.layer_weights(i):
+                if name in self._weights:
+                    param = block.get_parameter(key)
+                    self._weights[name] = param if rows is None else param[rows]
 
     def _check_finite(self):
         plan = self.plan
@@ -246,13 +281,19 @@ class CausalLM:
                 raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Loaded weights by checkpoint name (views into the fused block parameters)."""
-        return dict(self._weights)
+        """Loaded weights by checkpoint name: views into the fused block parameters, and for re-stored
+        projections (int8, int4, packed bf16) their weights as the arithmetic sees them, dequantized."""
+        weights = dict(self._weights)
+        for name, (module, rows, attribute) in self._converted.items():
+            tensor = module.dense_weight() if attribute == "weight" else module.bias
+            weights[name] = tensor if rows is None else tensor[rows]
+        return weights
 
     def __repr__(self):
         p = self.plan
         return (f"CausalLM({p.model_type}, layers={p.n_layers}, d_model={p.d_model}, vocab={p.vocab_size}, "
-                f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device})")
+                f"weight_format={self.weight_format}, dtype={str(self.dtype).removeprefix('torch.')}, "
+                f"device={self.device})")
 
     # ---- state ---------------------------------------------------------------------------
 

@@ -94,6 +94,8 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # what a weight format may re-store
+
     def __init__(self, d_model: int, options: dict, window: int | None):
         super().__init__()
         o = options

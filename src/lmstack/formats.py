@@ -1,0 +1,143 @@
+"""Weight formats (how projection matrices are stored) and numeric profiles (the arithmetic).
+
+| weight_format | bytes/weight | default profile | other profile | matmul                                   |
+|---------------|--------------|-----------------|---------------|------------------------------------------|
+| float32       | 4            | fp32            | -             | F.linear                                 |
+| bfloat16      | 2            | bf16            | fp32          | oneDNN-packed bf16 on CPU, else F.linear |
+| int8          | 1            | bf16            | fp32          | torch._weight_int8pack_mm (CPU, bf16)    |
+| int4          | 0.5          | bf16            | -             | torch._weight_int4pack_mm_for_cpu        |
+
+int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
+layout, PyTorch's packed CPU kernel). Only the four projection matrices of each block are quantized:
+the embedding table, the norms and the head keep the profile's floating-point type. A profile other
+than a format's default dequantizes per call: exact arithmetic, slower.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUMERIC_PROFILES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_PROFILE = {"float32": "fp32", "bfloat16": "bf16", "int8": "bf16", "int4": "bf16"}
+WEIGHT_FORMATS = tuple(DEFAULT_PROFILE)
+QUANTIZED = ("int8", "int4")
+PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
+INT4_GROUP = 32
+
+
+def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
+    """The compute dtype for a (format, profile) pair; unknown or unsupported pairs are refused by name."""
+    if weight_format not in DEFAULT_PROFILE:
+        raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(DEFAULT_PROFILE)}")
+    profile = DEFAULT_PROFILE[weight_format] if numeric_profile is None else numeric_profile
+    if profile not in NUMERIC_PROFILES:
+        raise ValueError(f"numeric_profile {profile!r} is not one of {', '.join(NUMERIC_PROFILES)}")
+    if profile not in PROFILES_OF[weight_format]:
+        raise ValueError(f"numeric_profile {profile!r} is not available with weight_format {weight_format!r} "
+                         f"(available: {', '.join(PROFILES_OF[weight_format])})")
+    return NUMERIC_PROFILES[profile]
+
+
+class PackedBF16Linear(nn.Module):
+    """bf16 weights reordered once into oneDNN's blocked layout: about twice F.linear's decode speed on CPU."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x):
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense()
+
+
+class Int8Linear(nn.Module):
+    """Symmetric per-output-channel int8: w ~= q * scale, |q| <= 127."""
+
+    def __init__(self, linear: nn.Linear, compute: torch.dtype):
+        super().__init__()
+        w = linear.weight.detach().float()
+        # rounded to the kernel's dtype first, so each weight lands within half a step of the stored scale
+        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(compute).tiny).to(compute)
+        self.weight = torch.round(w / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
+        self.fast = self.weight.device.type == "cpu" and compute == torch.bfloat16
+
+    def forward(self, x):
+        if self.fast:
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric int4 in groups of INT4_GROUP inputs: w ~= (q - 8) * scale + zero, 0 <= q <= 15."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-6).bfloat16().float()  # the kernel's dtype, before rounding
+        zero = (low + 8 * scale).bfloat16().float()
+        q = torch.round((groups - zero) / scale + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.scales_zeros = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], -1).transpose(0, 1)
+        self.scales_zeros = self.scales_zeros.contiguous().bfloat16()
+        self.bias = None if linear.bias is None else linear.bias.detach().bfloat16()
+        self.in_features = k
+
+    def dense_weight(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
+        return self._matmul(eye).float().T  # what the kernel computes with, column by column
+
+    def _matmul(self, x):
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
+
+    def forward(self, x):
+        y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class UpcastLinear(nn.Module):
+    """Weights kept in their storage dtype, multiplied in the (wider) compute dtype."""
+
+    def __init__(self, linear: nn.Linear, compute: torch.dtype):
+        super().__init__()
+        self.weight = linear.weight.detach().to(torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
+
+
+def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.Module:
+    """The module that runs `linear` in `weight_format`; float32 and bf16-on-bf16 off CPU stay nn.Linear."""
+    on_cpu = linear.weight.device.type == "cpu"
+    if weight_format == "int8":
+        return Int8Linear(linear, compute)
+    if weight_format == "int4":
+        if not on_cpu:
+            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
+        if linear.in_features % INT4_GROUP:
+            raise ValueError(f"weight_format 'int4' needs input widths divisible by {INT4_GROUP}, "
+                             f"got {linear.in_features}")
+        return Int4Linear(linear)
+    if weight_format == "bfloat16" and compute == torch.float32:
+        return UpcastLinear(linear, compute)
+    if weight_format == "bfloat16" and on_cpu and torch.backends.mkldnn.is_available():
+        return PackedBF16Linear(linear)
+    return linear

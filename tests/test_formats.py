@@ -1,0 +1,89 @@
+"""Weight formats and numeric profiles: what each stores, how close its numbers stay, what is refused."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lmstack import CausalLM, UnsupportedModel
+from lmstack.formats import INT4_GROUP, Int4Linear, Int8Linear, PackedBF16Linear, resolve
+
+
+def relative_delta(out, ref):
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama_bias")  # biases: the quantized modules must carry them
+    return path, CausalLM.load(path, device="cpu")
+
+
+IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("weight_format, profile, module, tolerance", [
+    ("bfloat16", None, PackedBF16Linear, 3e-2),
+    ("bfloat16", "fp32", nn.Module, 1e-2),
+    ("int8", None, Int8Linear, 5e-2),
+    ("int8", "fp32", Int8Linear, 5e-2),
+    ("int4", None, Int4Linear, 3e-1),
+])
+def test_formats_stay_close_to_float32(llama, weight_format, profile, module, tolerance):
+    path, reference = llama
+    lm = CausalLM.load(path, weight_format=weight_format, numeric_profile=profile, device="cpu")
+    assert isinstance(lm.blocks[0].attn.qkv, module)
+    delta = relative_delta(lm.forward(IDS), reference.forward(IDS))
+    print(f"{weight_format}/{profile or 'default'}: max |delta logit| / scale = {delta:.3g}")
+    assert delta < tolerance
+    assert lm.generate(IDS, 4).shape == (2, 4)
+
+
+def test_int8_weights_are_within_half_a_step_of_the_originals(llama):
+    path, reference = llama
+    lm = CausalLM.load(path, weight_format="int8", device="cpu")
+    original, dequantized = reference.parameters(), lm.parameters()
+    assert set(original) == set(dequantized)
+    for name in (n for n in original if n.endswith("proj.weight")):
+        w = original[name]
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+        assert ((dequantized[name] - w).abs() <= step * (0.5 + 2**-8)).all(), name  # bf16 scales
+    assert lm.blocks[0].mlp.down.weight.dtype == torch.int8
+    assert lm.embed.dtype == torch.bfloat16 and lm.norm.weight.dtype == torch.bfloat16  # floating point stays
+
+
+def test_int4_groups_are_within_half_a_step(llama):
+    path, reference = llama
+    lm = CausalLM.load(path, weight_format="int4", device="cpu")
+    w = reference.parameters()["model.layers.0.mlp.down_proj.weight"]
+    groups = w.reshape(w.shape[0], -1, INT4_GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    error = (lm.parameters()["model.layers.0.mlp.down_proj.weight"] - w).abs().reshape(groups.shape)
+    assert (error <= step[..., None] * (0.5 + 2**-7) + 1e-3).all()  # the kernel's bfloat16 output
+
+
+@pytest.mark.parametrize("weight_format, profile, words", [
+    ("int3", None, "weight_format 'int3'"),
+    ("float32", "fp16", "numeric_profile 'fp16'"),
+    ("float32", "bf16", "numeric_profile 'bf16' is not available with weight_format 'float32'"),
+    ("int4", "fp32", "numeric_profile 'fp32' is not available with weight_format 'int4'"),
+])
+def test_unknown_or_unavailable_pairs_are_refused_by_name(weight_format, profile, words):
+    with pytest.raises(ValueError, match=words):
+        resolve(weight_format, profile)
+
+
+def test_refusal_comes_before_any_weight_is_read(tmp_path, llama):
+    (tmp_path / "config.json").write_bytes((llama[0] / "config.json").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="numeric_profile 'fp64'"):
+        CausalLM.load(tmp_path, numeric_profile="fp64", device="cpu")
+
+
+def test_quantized_formats_are_refused_for_recurrent_models(tmp_path):
+    config = dict(model_type="mamba", hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(UnsupportedModel, match="weight_format 'int8'.*mamba"):
+        CausalLM.load(tmp_path, weight_format="int8", device="cpu")
