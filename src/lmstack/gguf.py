@@ -71,7 +71,7 @@ def is_gguf(path) -> bool:
 
 def hf_name(name: str) -> str:
     """The Hugging Face checkpoint name of a GGUF tensor name; unknown names stay as they are."""
-    stem, dot, suffix = name.rpartition(".")
+    stem, _, suffix = name.rpartition(".")
     if stem in NAMES:
         return f"{NAMES[stem]}.{suffix}"
     parts = stem.split(".")
