@@ -4,22 +4,25 @@ Headers are parsed and checked here before the `safetensors` library maps a byte
 is refused with its path and tensor name instead of crashing or allocating what it claims.
 """
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-MAX_HEADER_BYTES = 100 << 20
+from .config import UnsupportedModel, parse_json, read_json
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 DTYPES = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
     "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
     "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
 }
+# safetensors dtypes that are well formed but that we do not read
+OTHER_DTYPES = ("U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64")
 
 
 class CheckpointError(ValueError):
@@ -63,8 +66,11 @@ class SafetensorsFile:
         if self.closed:
             raise ValueError(f"{self.path}: read from a closed file")
         info = self.info(name)
-        with safe_open(str(self.path), framework="pt") as handle:
-            tensor = handle.get_tensor(name)
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:  # the file changed since its header was checked
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from None
         if info.dtype == "BF16" and bf16 == "widen":
             tensor = tensor.float()
         return tensor
@@ -80,7 +86,11 @@ class SafetensorsFile:
 
 
 def _read_header(path: Path) -> dict:
-    """Parse and validate a safetensors header: {name: (dtype, shape)}."""
+    """Parse and validate a safetensors header: {name: (dtype, shape)}.
+
+    As the format and the `safetensors` library require, the tensors must tile the data exactly:
+    no overlap, no gap, no trailing bytes. Each check runs before anything the header claims is allocated.
+    """
     size = path.stat().st_size
     with open(path, "rb") as fh:
         prefix = fh.read(8)
@@ -88,14 +98,12 @@ def _read_header(path: Path) -> dict:
             raise CheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or the limit")
+            raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) "
+                                  f"or the limit ({MAX_HEADER_BYTES})")
         raw = fh.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+    if not raw.startswith(b"{"):
+        raise CheckpointError(f"{path}: header does not start with '{{'")
+    header = parse_json(raw, f"{path}: header", CheckpointError)
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
@@ -106,10 +114,14 @@ def _read_header(path: Path) -> dict:
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPES:
+        if dtype in OTHER_DTYPES:
+            raise UnsupportedModel(f"{where}: dtype {dtype} is not supported (supported: {', '.join(DTYPES)})")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+                or math.prod(max(d, 1) for d in shape) >= 1 << 48):  # the library multiplies them in 64 bits
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers in [0, 2**40) "
+                                  f"with fewer than 2**48 elements")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data_size):
             raise CheckpointError(f"{where}: data_offsets {offsets!r} outside the data ({data_size} bytes)")
@@ -121,9 +133,12 @@ def _read_header(path: Path) -> dict:
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):
-        if begin < end:
-            raise CheckpointError(f"{path}: tensor {name!r} overlaps the tensor before it")
-        end = max(end, stop)
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves bytes {end}..{begin} unused"
+            raise CheckpointError(f"{path}: tensor {name!r} {what}")
+        end = stop
+    if end != data_size:
+        raise CheckpointError(f"{path}: {data_size - end} bytes after the last tensor belong to none")
     return tensors
 
 
@@ -153,8 +168,15 @@ class Checkpoint:
         self._files: dict = {}
 
     def _shard_path(self, index: Path, name: str) -> Path:
-        shard = (self.root / name).resolve()
-        if Path(name).is_absolute() or self.root.resolve() not in shard.parents:
+        """A shard the index names: a relative path without '..' that, symlinks followed, stays in the directory."""
+        if not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory "
+                                  f"(an empty, absolute or '..' path)")
+        try:
+            shard = (self.root / name).resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            raise CheckpointError(f"{index}: shard {name!r} cannot be resolved ({e})") from None
+        if self.root.resolve() not in shard.parents:
             raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory")
         if not shard.is_file():
             raise FileNotFoundError(f"{index}: names shard {name!r}, which does not exist")
@@ -203,11 +225,8 @@ class Checkpoint:
 
 
 def _read_index(index: Path) -> dict:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-    where = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(where, dict) or not all(isinstance(v, str) for v in where.values()):
-        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    where = read_json(index, CheckpointError).get("weight_map")
+    if not isinstance(where, dict) or not where or not all(isinstance(v, str) for v in where.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names (got "
+                              f"{type(where).__name__}{'' if where else ', empty'})")
     return where

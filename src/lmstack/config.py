@@ -6,6 +6,7 @@ Every config field that changes the arithmetic is either honored here or refused
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ MAX_LAYERS = 1024
 MAX_WIDTH = 1 << 17
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
+MAX_JSON_BYTES = 128 << 20  # the largest released tokenizer.json is near 35 MB
 
 
 class UnsupportedModel(ValueError):
@@ -25,6 +27,46 @@ class UnsupportedModel(ValueError):
 
 class ConfigError(ValueError):
     """config.json is missing, malformed, or holds a value of the wrong type or range."""
+
+
+def read_json(path: Path, error=None) -> dict:
+    """A JSON object from a file, or `error` (ConfigError by default) naming the path."""
+    return parse_json(read_text(path, error), path, error)
+
+
+def read_text(path: Path, error=None) -> str:
+    """A UTF-8 file's text, refused before reading when larger than any JSON file we read should be."""
+    error = error or ConfigError
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise error(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} we read from a JSON file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 ({e})") from None
+
+
+def parse_json(text, where, error=None) -> dict:
+    """A JSON object, refused by name when it is not one, nests past Python's recursion limit, holds
+    an integer of more than 4300 digits, or gives a key twice (readers disagree on which one wins)."""
+    error = error or ConfigError
+
+    def unique(pairs):
+        data = dict(pairs)
+        if len(data) != len(pairs):
+            key = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+            raise error(f"{where}: key {key!r} appears more than once in one object")
+        return data
+
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError and int digits are ValueErrors
+        if isinstance(e, error):
+            raise
+        raise error(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{where}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class HFConfig(Mapping):
@@ -50,11 +92,7 @@ class HFConfig(Mapping):
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no config.json there")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls(data, path)
+        return cls(read_json(path), path)
 
     @property
     def model_type(self) -> str:

@@ -31,6 +31,29 @@ def _block(plan: ModelPlan, i: int, dtype) -> nn.Module:
     return TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i]).to(dtype)
 
 
+def _check_tensors(plan: ModelPlan, checkpoint):
+    """Every tensor the plan reads is there, floating point, with the shape it fills: checked on meta blocks,
+    before anything is allocated, so a config that claims absurd sizes costs no memory."""
+    shapes = {plan.embed_name: (plan.vocab_size, plan.d_model), plan.norm_name: (plan.d_model,)}
+    if plan.head_name:
+        shapes[plan.head_name] = (plan.vocab_size, plan.d_model)
+    with torch.device("meta"):
+        for i in range(plan.n_layers):
+            block = _block(plan, i, torch.float32)
+            for key, name, rows in plan.layer_weights(i):
+                param = block.get_parameter(key)
+                shapes[name] = tuple((param if rows is None else param[rows]).shape)
+    for name, shape in shapes.items():
+        if name not in checkpoint:
+            raise CheckpointError(f"{checkpoint.path}: missing tensor {name!r}")
+        info = checkpoint.info(name)
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(shape)}")
+        if info.dtype in ("I64", "I32", "I16", "I8", "U8", "BOOL"):
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float dtype")
+
+
 @dataclass
 class CausalLMState:
     """Per-layer decode state (KV caches, or conv and SSM states), preallocated; owned by the caller.
@@ -211,6 +234,7 @@ class CausalLM:
         if weight_format in ("int8", "int4") and plan.kind != "transformer":
             raise UnsupportedModel(f"weight_format {weight_format!r} is not available for {plan.kind} models "
                                    f"(model_type {plan.model_type!r}); use float32 or bfloat16")
+        _check_tensors(plan, source)
         model = cls(plan, dtype=dtype, device=device, max_positions=max_positions, weight_format=weight_format)
         model.eos_ids = eos_ids(config, directory)
         with source:
@@ -230,14 +254,7 @@ class CausalLM:
             yield plan.head_name or plan.embed_name, self.head, None
 
     def _fill(self, checkpoint: Checkpoint, progress=None):
-        targets = list(self._targets())
-        for name, dest, _ in targets:  # every name and shape checked before a byte is read
-            if name not in checkpoint:
-                raise CheckpointError(f"{checkpoint.path}: missing tensor {name!r}")
-            info = checkpoint.info(name)
-            if info.shape != tuple(dest.shape):
-                raise CheckpointError(
-                    f"{info.file}: tensor {name!r} has shape {list(info.shape)}, the config implies {list(dest.shape)}")
+        targets = list(self._targets())  # names and shapes checked by _check_tensors
         self.unused_names = sorted(set(checkpoint.names()) - {name for name, _, _ in targets})
         targets = [t for t in targets if not t[1].is_meta]  # meta: another process's share
         for done, (name, dest, layer) in enumerate(targets, 1):
