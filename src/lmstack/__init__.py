@@ -6,9 +6,10 @@ from .gguf import GGUFFile
 from .model import CausalLM, CausalLMState
 from .parallel import ParallelCausalLM, PipelineCausalLM
 from .sampling import Sampler, TextStream, generate_text, stream_text
+from .tokenizer import TokenizerError
 
 __all__ = [
     "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
     "ModelPlan", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "Sampler", "TextStream",
-    "UnsupportedModel", "generate_text", "plan_for", "stream_text",
+    "TokenizerError", "UnsupportedModel", "generate_text", "plan_for", "stream_text",
 ]

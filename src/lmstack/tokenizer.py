@@ -17,6 +17,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .config import MAX_VOCAB, parse_json, read_json, read_text
+
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -33,6 +35,10 @@ PATTERNS = {
 }
 NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD")
 MODELS = ("BPE", "WordPiece", "WordLevel", "Unigram")
+
+
+class TokenizerError(ValueError):
+    """tokenizer.json, tokenizer_config.json or a chat template is malformed, or the template fails."""
 
 
 def _byte_chars() -> list[str]:
@@ -78,7 +84,7 @@ class Tokenizer:
         vocab = {}
         for i, token in enumerate(tokens):
             if (first := vocab.setdefault(_spell(token), i)) != i:
-                raise ValueError(f"{source}: token {i} {bytes(token)!r} repeats token {first}")
+                raise TokenizerError(f"{source}: token {i} {bytes(token)!r} repeats token {first}")
         if normalizer is not None and normalizer not in NORMALIZERS:
             raise ValueError(f"{source}: normalizer {normalizer!r} is not one of {NORMALIZERS}")
         spec = {
@@ -114,36 +120,44 @@ class Tokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such tokenizer.json")
-        text = file.read_text(encoding="utf-8")
-        spec = _parse(text, file)
+        text = read_text(file, TokenizerError)
+        spec = parse_json(text, file, TokenizerError)
         model = spec.get("model")
         if not isinstance(model, dict):
-            raise ValueError(f"{file}: field 'model' is missing or not an object")
+            raise TokenizerError(f"{file}: field 'model' is missing or not an object")
         if model.get("type", "BPE") not in MODELS:
-            raise ValueError(f"{file}: model.type {model.get('type')!r} is not one of {MODELS}")
+            raise TokenizerError(f"{file}: model.type {model.get('type')!r} is not one of {MODELS}")
         config_file = file.parent / "tokenizer_config.json"
-        config = _parse(config_file.read_text(encoding="utf-8"), config_file) if config_file.is_file() else {}
+        config = read_json(config_file, TokenizerError) if config_file.is_file() else {}
         template_file = file.parent / "chat_template.jinja"
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
-        if isinstance(template, list):  # several named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template_file.is_file():
+            template = read_text(template_file, TokenizerError)
+        else:
+            template = _chat_template(config.get("chat_template"), config_file)
 
         try:
             backend = tokenizers.Tokenizer.from_str(text)
-        except Exception as e:
-            raise ValueError(f"{file}: tokenizers cannot load it: {e}") from None
+        except BaseException as e:  # pyo3 panics derive from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise TokenizerError(f"{file}: tokenizers cannot load it: {e}") from None
 
         def ids_of(key):
             token = config.get(key)
             content = token.get("content") if isinstance(token, dict) else token
             if content is None:
                 return ()
+            if not isinstance(content, str):
+                raise TokenizerError(f"{config_file}: {key} = {content!r}, expected a token's text")
             if (i := backend.token_to_id(content)) is None:
-                raise ValueError(f"{config_file}: {key} {content!r} is not in the vocabulary of {file}")
+                raise TokenizerError(f"{config_file}: {key} {content!r} is not in the vocabulary of {file}")
             return (i,)
 
         bos_ids, eos_ids = ids_of("bos_token"), ids_of("eos_token")
         before, after = _template_ends(spec.get("post_processor"))
+        for key in ("add_bos_token", "add_eos_token"):
+            if config.get(key) not in (None, True, False):
+                raise TokenizerError(f"{config_file}: {key} = {config[key]!r}, expected true or false")
         if config.get("add_bos_token") is not None:
             before = list(bos_ids) if config["add_bos_token"] else []
         if config.get("add_eos_token") is not None:
@@ -156,13 +170,18 @@ class Tokenizer:
         try:
             self._special = backend or tokenizers.Tokenizer.from_str(text)
         except Exception as e:
-            raise ValueError(f"{source}: tokenizers cannot build it: {e}") from None
+            raise TokenizerError(f"{source}: tokenizers cannot build it: {e}") from None
+        vocab = self._special.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise TokenizerError(f"{source}: the vocabulary is empty")
+        top = max(vocab, key=vocab.get)
+        if vocab[top] >= MAX_VOCAB:  # tables below are indexed by id: refuse before allocating them
+            raise TokenizerError(f"{source}: token {top!r} has id {vocab[top]}, more than the {MAX_VOCAB} we allow")
         self._plain = tokenizers.Tokenizer.from_str(text)
         self._plain.encode_special_tokens = True  # special tokens' text is ordinary text
         self.source, self.chat_template = source, chat_template
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
-        vocab = self._special.get_vocab(with_added_tokens=True)
-        self.n_vocab = max(vocab.values()) + 1
+        self.n_vocab = vocab[top] + 1
         self._kind = type(self._special.model).__name__
         self.pattern, self._bytes, self._missing = None, None, b""
         if self._kind == "BPE" and _byte_level(spec.get("pre_tokenizer")) and _byte_level(spec.get("decoder")):
@@ -177,7 +196,7 @@ class Tokenizer:
             try:
                 table[i] = token.translate(_TO_LATIN1).encode("latin-1")
             except UnicodeEncodeError:
-                raise ValueError(f"{self.source}: token {i} {token!r} is not in byte-level spelling") from None
+                raise TokenizerError(f"{self.source}: token {i} {token!r} is not in byte-level spelling") from None
         for i, token in self._special.get_added_tokens_decoder().items():
             table[i] = token.content.encode()
         return table
@@ -238,16 +257,17 @@ class Tokenizer:
 
         The template runs in jinja2's immutable sandbox with the variables transformers passes:
         messages, bos_token, eos_token, add_generation_prompt, raise_exception, strftime_now, and
-        `variables` (tools, documents, enable_thinking, ...).
+        `variables` (tools, documents, enable_thinking, ...). The sandbox keeps the template from Python's
+        internals, files and the network; it does not bound the template's time or memory.
         """
         if self.chat_template is None:
-            raise ValueError(f"{self.source}: no chat_template (tokenizer_config.json or chat_template.jinja)")
+            raise TokenizerError(f"{self.source}: no chat_template (tokenizer_config.json or chat_template.jinja)")
         variables = {"tools": None, "documents": None, "bos_token": self._token_text(self.bos_ids),
                      "eos_token": self._token_text(self.eos_ids), **variables}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{self.source}: chat template: {e}") from e
+        except Exception as e:  # the template is the checkpoint's code: any failure is its own
+            raise TokenizerError(f"{self.source}: chat template: {e}") from e
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -305,14 +325,15 @@ class Tokenizer:
                                  f"(0..{self.n_vocab - 1})")
 
 
-def _parse(text: str, file: Path) -> dict:
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(spec).__name__}")
-    return spec
+def _chat_template(template, config_file: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named ones of which we take "default"."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{config_file}: chat_template is a {type(template).__name__}, expected a string "
+                             f"or a list of {{name, template}} with a 'default'")
+    return template
 
 
 def _steps(component) -> list[dict]:
@@ -350,7 +371,7 @@ def _template_ends(post_processor) -> tuple[list[int], list[int]]:
     for step in _steps(post_processor):
         if step.get("type") == "TemplateProcessing":
             pieces, specials = step["single"], step["special_tokens"]
-            cut = next(k for k, piece in enumerate(pieces) if "Sequence" in piece)
+            cut = next((k for k, piece in enumerate(pieces) if "Sequence" in piece), len(pieces))
             ids = [[i for p in part if "SpecialToken" in p for i in specials[p["SpecialToken"]["id"]]["ids"]]
                    for part in (pieces[:cut], pieces[cut + 1:])]
             return ids[0], ids[1]
