@@ -14,7 +14,7 @@ import torch
 from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo
-from .config import UnsupportedModel, plan_for
+from .config import HFConfig, UnsupportedModel, plan_for
 
 MAGIC = b"GGUF"
 
@@ -89,16 +89,16 @@ class GGUFFile:
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         try:
             self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError) as e:
-            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
+        except Exception as e:  # the reader's checks surface as whatever numpy or struct raised
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
         arch = self.get("general.architecture")
-        if arch not in ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise UnsupportedModel(f"{self.path}: GGUF architecture {arch!r} is not supported "
                                    f"(supported: {', '.join(sorted(ARCHITECTURES))})")
         self.arch = arch
         self._tensors = {hf_name(t.name): t for t in self.reader.tensors}
         self._check_types()
-        self.config = self._config()
+        self.config = HFConfig(self._config(), self.path)  # plan_for's errors then name this file
 
     # ---- metadata ------------------------------------------------------------------------
 
@@ -110,9 +110,20 @@ class GGUFFile:
             if default is _REQUIRED:
                 raise CheckpointError(f"{self.path}: GGUF metadata lacks {key!r}")
             return default
-        value = field.contents()
+        try:
+            value = field.contents()
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} cannot be read ({type(e).__name__}: {e})") from None
         if field.types == [gguf.GGUFValueType.FLOAT32]:  # the decimal the writer meant: 1e-05, not 9.99999974e-06
             value = float(str(np.float32(value)))
+        return value
+
+    def _int(self, key: str, default=_REQUIRED, minimum=1):
+        """An integer metadata value of at least `minimum`, or `default` when absent."""
+        value = self.get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise CheckpointError(f"{self.path}: GGUF metadata {key.replace('{arch}', self.arch)!r} = {value!r}, "
+                                  f"expected an integer >= {minimum}")
         return value
 
     def _check_types(self):
@@ -135,16 +146,16 @@ class GGUFFile:
         if self.get("{arch}.expert_count", 0):
             raise UnsupportedModel(f"{self.path}: {self.arch}.expert_count = {self.get('{arch}.expert_count')} "
                                    f"(mixture of experts) is not supported")
-        n_heads = self.get("{arch}.attention.head_count")
-        n_kv_heads = self.get("{arch}.attention.head_count_kv", n_heads)
-        for key, value in (("head_count", n_heads), ("head_count_kv", n_kv_heads)):
-            if isinstance(value, list):
+        for key in ("head_count", "head_count_kv"):
+            if isinstance(self.get(f"{{arch}}.attention.{key}", None), list):
                 raise UnsupportedModel(f"{self.path}: {self.arch}.attention.{key} per layer is not supported")
+        n_heads = self._int("{arch}.attention.head_count")
+        n_kv_heads = self._int("{arch}.attention.head_count_kv", n_heads)
         embed = self._tensors.get("model.embed_tokens.weight")
-        vocab = self.get("{arch}.vocab_size", None) or (int(embed.shape[1]) if embed is not None else None)
+        vocab = self.get("{arch}.vocab_size", None) or (int(embed.shape[-1]) if embed is not None else None)
         config = dict(
             model_type=model_type,
-            hidden_size=self.get("{arch}.embedding_length"),
+            hidden_size=self._int("{arch}.embedding_length"),
             num_hidden_layers=self.get("{arch}.block_count"),
             intermediate_size=self.get("{arch}.feed_forward_length"),
             num_attention_heads=n_heads,
@@ -154,14 +165,14 @@ class GGUFFile:
             rope_theta=self.get("{arch}.rope.freq_base", 10000.0),
             vocab_size=vocab,
             tie_word_embeddings="lm_head.weight" not in self._tensors,
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
+            bos_token_id=self._int("tokenizer.ggml.bos_token_id", None, minimum=0),
             eos_token_id=eos[0] if len(eos := self.eos_ids()) == 1 else eos or None,
         )
-        if (head_dim := self.get("{arch}.attention.key_length", None)) is not None:
+        if (head_dim := self._int("{arch}.attention.key_length", None)) is not None:
             config["head_dim"] = head_dim
         head_dim = head_dim or config["hidden_size"] // n_heads
-        rotary = self.get("{arch}.rope.dimension_count", head_dim)
-        if rotary != head_dim:
+        rotary = self._int("{arch}.rope.dimension_count", head_dim)
+        if head_dim and rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
         scaling = self.get("{arch}.rope.scaling.type", "none")
         if scaling == "linear":
@@ -180,7 +191,7 @@ class GGUFFile:
     def eos_ids(self) -> list[int]:
         """Every id that ends a generation: EOS, and end-of-turn / end-of-message where given."""
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        return list(dict.fromkeys(i for i in (self.get(k, None) for k in keys) if i is not None))
+        return list(dict.fromkeys(i for i in (self._int(k, None, minimum=0) for k in keys) if i is not None))
 
     # ---- tensors: the Checkpoint surface -------------------------------------------------
 
@@ -234,7 +245,7 @@ class GGUFFile:
         if kind != "gpt2":
             raise UnsupportedModel(f"{self.path}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2)")
         pre = self.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
             raise UnsupportedModel(f"{self.path}: tokenizer.ggml.pre {pre!r} is not supported "
                                    f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
         pattern, ignore_merges, normalizer = PRE_TOKENIZERS[pre]
@@ -246,18 +257,32 @@ class GGUFFile:
             except KeyError:
                 raise CheckpointError(f"{self.path}: token {text!r} is not spelled in byte-level characters") from None
 
+        def check(key, ok, expected):
+            if not ok:
+                raise CheckpointError(f"{self.path}: GGUF metadata {key} is malformed: expected {expected}")
+
         texts = self.get("tokenizer.ggml.tokens")
+        check("tokenizer.ggml.tokens", isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts),
+              "a non-empty list of strings")
         types = self.get("tokenizer.ggml.token_type", [1] * len(texts))
+        check("tokenizer.ggml.token_type", isinstance(types, list) and len(types) == len(texts), "one type per token")
+        merges = self.get("tokenizer.ggml.merges", [])
+        check("tokenizer.ggml.merges", isinstance(merges, list) and all(isinstance(m, str) and m.count(" ") == 1
+                                                                        for m in merges), "'left right' strings")
+        bos = self._int("tokenizer.ggml.bos_token_id", None, minimum=0)
+        for i in (bos, *self.eos_ids()):
+            check("tokenizer.ggml.*_token_id", i is None or i < len(texts), f"ids below {len(texts)}, got {i}")
+        template = self.get("tokenizer.chat_template", None)
+        check("tokenizer.chat_template", template is None or isinstance(template, str), "a string")
         special = {i for i, kind in enumerate(types) if kind in (3, 4)}  # control, user-defined
         tokens = [text.encode() if i in special else unspell(text) for i, text in enumerate(texts)]
-        merges = [tuple(unspell(side) for side in merge.split(" ")) for merge in self.get("tokenizer.ggml.merges", [])]
-        bos = self.get("tokenizer.ggml.bos_token_id", None)
+        merges = [tuple(unspell(side) for side in merge.split(" ")) for merge in merges]
         return Tokenizer(
             tokens, merges, pattern=pattern, added={texts[i]: i for i in sorted(special)}, normalizer=normalizer,
             bos_ids=() if bos is None else (bos,), eos_ids=tuple(self.eos_ids()),
             add_bos=bool(self.get("tokenizer.ggml.add_bos_token", False)),
             add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
-            ignore_merges=ignore_merges, chat_template=self.get("tokenizer.chat_template", None),
+            ignore_merges=ignore_merges, chat_template=template,
             source=str(self.path))
 
 
@@ -286,7 +311,9 @@ def convert(path, out, progress=None):
         tokenizer = source.tokenizer()
         texts = source.get("tokenizer.ggml.tokens")
         bos, eos = source.get("tokenizer.ggml.bos_token_id", None), source.eos_ids()
-        pad = source.get("tokenizer.ggml.padding_token_id", None)
+        pad = source._int("tokenizer.ggml.padding_token_id", None, minimum=0)
+        if pad is not None and pad >= len(texts):
+            raise CheckpointError(f"{source.path}: tokenizer.ggml.padding_token_id {pad} is past the {len(texts)} tokens")
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": None if bos is None else texts[bos],
