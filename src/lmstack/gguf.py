@@ -217,6 +217,9 @@ class GGUFFile:
         if ARCHITECTURES[self.arch][1] and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                           "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            if shape[0] % (2 * heads):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has {shape[0]} rows, not pairs of rows "
+                                      f"for each of {heads} heads")
             weight = unpermute(weight, heads)
         return weight
 

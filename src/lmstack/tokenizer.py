@@ -337,9 +337,9 @@ def _chat_template(template, config_file: Path) -> str | None:
 
 
 def _steps(component) -> list[dict]:
-    if not component:
+    if not isinstance(component, dict):
         return []
-    inner = component.get("pretokenizers") or component.get("decoders") or component.get("processors")
+    inner = component.get("pretokenizers") or component.get("decoders") or component.get("processors") or []
     return [s for c in inner for s in _steps(c)] if component.get("type") == "Sequence" else [component]
 
 
