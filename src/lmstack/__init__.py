@@ -6,10 +6,10 @@ from .gguf import GGUFFile
 from .model import CausalLM, CausalLMState
 from .parallel import ParallelCausalLM, PipelineCausalLM
 from .sampling import Sampler, TextStream, generate_text, stream_text
-from .tokenizer import TokenizerError
+from .tokenizer import PATTERNS, Tokenizer, TokenizerError
 
 __all__ = [
     "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
-    "ModelPlan", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "Sampler", "TextStream",
-    "TokenizerError", "UnsupportedModel", "generate_text", "plan_for", "stream_text",
+    "ModelPlan", "PATTERNS", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "Sampler", "TextStream",
+    "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text", "plan_for", "stream_text",
 ]

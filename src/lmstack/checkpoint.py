@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import UnsupportedModel, parse_json, read_json
 
+READ_SLICE_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 DTYPES = {
@@ -74,6 +75,31 @@ class SafetensorsFile:
         if info.dtype == "BF16" and bf16 == "widen":
             tensor = tensor.float()
         return tensor
+
+    def read_into(self, name: str, dest: torch.Tensor):
+        """Copy tensor `name` into `dest` (converting its dtype) a slice of about 1 MiB at a time.
+
+        No full-size transient: a load never holds a second copy of the largest tensor, and the
+        allocator is never handed a huge block to free (which would make it keep later ones).
+        """
+        if self.closed:
+            raise ValueError(f"{self.path}: read from a closed file")
+        info = self.info(name)
+        if tuple(dest.shape) != info.shape:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
+                                  f"the destination {list(dest.shape)}")
+        row_bytes = math.prod(info.shape[1:]) * DTYPES[info.dtype][1]
+        rows = max(1, READ_SLICE_BYTES // max(1, row_bytes))
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                if not info.shape:
+                    dest.copy_(handle.get_tensor(name))
+                    return
+                tensor = handle.get_slice(name)
+                for start in range(0, info.shape[0], rows):
+                    dest[start:start + rows].copy_(tensor[start:start + rows])
+        except (SafetensorError, OSError) as e:  # the file changed since its header was checked
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from None
 
     def close(self):
         self.closed = True
@@ -211,6 +237,9 @@ class Checkpoint:
 
     def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
         return self._file(name).read(name, bf16=bf16)
+
+    def read_into(self, name: str, dest: torch.Tensor):
+        self._file(name).read_into(name, dest)
 
     def close(self):
         for file in self._files.values():

@@ -62,8 +62,10 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         # rounded to the kernel's dtype first, so each weight lands within half a step of the stored scale
-        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(compute).tiny).to(compute)
-        self.weight = torch.round(w / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        absmax = torch.maximum(w.amax(dim=1), -w.amin(dim=1))
+        self.scales = (absmax / 127).clamp(min=torch.finfo(compute).tiny).to(compute)
+        q = w / self.scales.float()[:, None]  # the one full-size temporary: a load stays lean
+        self.weight = q.round_().clamp_(-127, 127).to(torch.int8)
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
         self.fast = self.weight.device.type == "cpu" and compute == torch.bfloat16
 
@@ -90,7 +92,7 @@ class Int4Linear(nn.Module):
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((high - low) / 15).clamp(min=1e-6).bfloat16().float()  # the kernel's dtype, before rounding
         zero = (low + 8 * scale).bfloat16().float()
-        q = torch.round((groups - zero) / scale + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
+        q = (groups - zero).div_(scale).add_(8).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
         self.weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scales_zeros = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], -1).transpose(0, 1)
         self.scales_zeros = self.scales_zeros.contiguous().bfloat16()

@@ -223,6 +223,9 @@ class GGUFFile:
             weight = unpermute(weight, heads)
         return weight
 
+    def read_into(self, name: str, dest: torch.Tensor):
+        dest.copy_(self.read(name))
+
     def _tensor(self, name: str):
         if name not in self._tensors:
             raise KeyError(f"{self.path}: no tensor {name!r}")

@@ -1,7 +1,10 @@
 """CausalLM: embedding gather -> blocks -> final norm -> head, with a decode state the caller owns."""
 
+import ctypes
+import ctypes.util
 import dataclasses
 import json
+from functools import partial
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,27 @@ def _block(plan: ModelPlan, i: int, dtype) -> nn.Module:
     if plan.kind in RECURRENT_BLOCKS:
         return RECURRENT_BLOCKS[plan.kind](plan.d_model, plan.block_options, dtype)
     return TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i]).to(dtype)
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory():
+    """Hand freed heap pages back to the OS (glibc keeps them, so a load's transients would add up)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _parameter_rows(block: nn.Module, key: str, rows: slice | None) -> torch.Tensor:
+    param = block.get_parameter(key)
+    return param if rows is None else param[rows]
 
 
 def _check_tensors(plan: ModelPlan, checkpoint):
@@ -191,10 +215,8 @@ class CausalLM:
             fill = torch.float32 if self.weight_format in QUANTIZED else dtype
             self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
+        self.blocks.requires_grad_(False)  # left on meta: _fill allocates them a layer at a time
         first, last = self.layer_devices[0], self.layer_devices[-1]
-        for block, layer_device in zip(self.blocks, self.layer_devices):
-            block.to_empty(device=layer_device)
-        self.blocks.requires_grad_(False)
         # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
         self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
         self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
@@ -242,27 +264,31 @@ class CausalLM:
         return model
 
     def _targets(self):
-        """(checkpoint name, destination tensor, layer or None) for every tensor the plan reads."""
+        """(checkpoint name, layer or None, device, destination) for every tensor the plan reads; a layer's
+        destinations are callables, resolved once _fill has allocated that layer."""
         plan = self.plan
-        yield plan.embed_name, self.embed, None
+        yield plan.embed_name, None, self.embed.device, lambda: self.embed
         for i, block in enumerate(self.blocks):
             for key, name, rows in plan.layer_weights(i):
-                param = block.get_parameter(key)
-                yield name, param if rows is None else param[rows], i
-        yield plan.norm_name, self.norm.weight, None
+                yield name, i, self.layer_devices[i], partial(_parameter_rows, block, key, rows)
+        yield plan.norm_name, None, self.norm.weight.device, lambda: self.norm.weight
         if plan.head_name or self.head is not self.embed:
-            yield plan.head_name or plan.embed_name, self.head, None
+            yield plan.head_name or plan.embed_name, None, self.head.device, lambda: self.head
 
     def _fill(self, checkpoint: Checkpoint, progress=None):
         targets = list(self._targets())  # names and shapes checked by _check_tensors
-        self.unused_names = sorted(set(checkpoint.names()) - {name for name, _, _ in targets})
-        targets = [t for t in targets if not t[1].is_meta]  # meta: another process's share
-        for done, (name, dest, layer) in enumerate(targets, 1):
+        self.unused_names = sorted(set(checkpoint.names()) - {name for name, *_ in targets})
+        targets = [t for t in targets if t[2].type != "meta"]  # meta: another process's share
+        for done, (name, layer, device, dest) in enumerate(targets, 1):
+            if layer is not None and (done == 1 or targets[done - 2][1] != layer):
+                self.blocks[layer].to_empty(device=device)  # a layer at a time: freed memory is reused
+            dest = dest()
             with torch.no_grad():
-                dest.copy_(checkpoint.read(name, bf16="bits"))  # copy_ converts: one transient per tensor
+                checkpoint.read_into(name, dest)
             self._weights[name] = dest
-            if layer is not None and (done == len(targets) or targets[done][2] != layer):
-                self._store_projections(layer)  # a layer at a time: its dense copy never coexists with others
+            if layer is not None and (done == len(targets) or targets[done][1] != layer):
+                self._store_projections(layer)  # its dense copy never coexists with another layer's
+                release_freed_memory()
             if progress:
                 progress(done, len(targets))
         self._check_finite()
