@@ -1,4 +1,23 @@
-"""lmstack: run Hugging Face-format causal language models from their checkpoint directory."""
+"""lmstack: run Hugging Face-format causal language models from their checkpoint directory.
+
+Errors. Every file is read as if a stranger wrote it: checked before use, refused before anything it
+claims is allocated, never executed (no pickle, torch.load, eval/exec or remote code). Each message
+names the file, the field or tensor, and what was expected.
+
+    UnsupportedModel (ValueError)  well formed, but not something lmstack runs: a model_type, rope type,
+                                   safetensors dtype (F8_*, U32, ...), GGUF architecture or tensor type
+    ConfigError (ValueError)       config.json (or a GGUF's model metadata as config) malformed: not JSON,
+                                   a key twice, a field of the wrong type or range, sizes that disagree
+    CheckpointError (ValueError)   a .safetensors file, shard index or GGUF file malformed, or lacking,
+                                   mis-shaping or mistyping a tensor the config needs; a shard path that
+                                   leaves the checkpoint directory
+    TokenizerError (ValueError)    tokenizer.json, tokenizer_config.json or a chat template malformed,
+                                   or the template failing (its sandbox refusing an escape included)
+    FileNotFoundError              a path, config.json, shard or tokenizer.json that does not exist
+    ValueError, TypeError          a bad argument: ids, text that is not UTF-8 or that the vocabulary
+                                   cannot encode, device, weight format, state, positions
+    KeyError                       a tensor name that a checkpoint does not hold (info, read)
+"""
 
 from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
 from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
