@@ -3,20 +3,18 @@ documented exception and a message naming the file and the field or tensor at fa
 
 import ast
 import json
-import os
 import struct
 import time
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from lmstack import (CausalLM, Checkpoint, CheckpointError, ConfigError, HFConfig, SafetensorsFile,
                      TokenizerError, UnsupportedModel, plan_for)
-from lmstack.gguf import GGUFFile
+from lmstack.gguf import LAYER_NAMES, GGUFFile
 from lmstack.tokenizer import Tokenizer
 
 SRC = Path(__file__).parent.parent / "src" / "lmstack"
@@ -396,6 +394,9 @@ CHAT = [
 
 # ---- GGUF ----------------------------------------------------------------------------------------
 
+GGUF_LAYER_NAMES = {hf: name for name, hf in LAYER_NAMES.items()}
+
+
 def gguf_file(path: Path, drop=(), **metadata):
     """A tiny llama GGUF; `metadata` overrides keys (an int is written as uint32, a str as string, a list as
     an array), `drop` leaves keys out."""
@@ -424,9 +425,8 @@ def gguf_file(path: Path, drop=(), **metadata):
              "lm_head.weight": "output.weight"}
     for name, tensor in tensors().items():
         if name.startswith("model.layers.0."):
-            from lmstack.gguf import LAYER_NAMES
-            stem = {v: k for k, v in LAYER_NAMES.items()}[name.removeprefix("model.layers.0.").removesuffix(".weight")]
-            names[name] = f"blk.0.{stem}.weight"
+            stem = name.removeprefix("model.layers.0.").removesuffix(".weight")
+            names[name] = f"blk.0.{GGUF_LAYER_NAMES[stem]}.weight"
         writer.add_tensor(names[name], tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

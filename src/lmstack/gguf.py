@@ -113,7 +113,8 @@ class GGUFFile:
         try:
             value = field.contents()
         except Exception as e:
-            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} cannot be read ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} cannot be read "
+                                  f"({type(e).__name__}: {e})") from None
         if field.types == [gguf.GGUFValueType.FLOAT32]:  # the decimal the writer meant: 1e-05, not 9.99999974e-06
             value = float(str(np.float32(value)))
         return value
@@ -319,7 +320,8 @@ def convert(path, out, progress=None):
         bos, eos = source.get("tokenizer.ggml.bos_token_id", None), source.eos_ids()
         pad = source._int("tokenizer.ggml.padding_token_id", None, minimum=0)
         if pad is not None and pad >= len(texts):
-            raise CheckpointError(f"{source.path}: tokenizer.ggml.padding_token_id {pad} is past the {len(texts)} tokens")
+            raise CheckpointError(f"{source.path}: tokenizer.ggml.padding_token_id {pad} is past the "
+                                  f"{len(texts)} tokens")
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": None if bos is None else texts[bos],
