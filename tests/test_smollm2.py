@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lmstack import CausalLM, HFConfig, plan_for
-from lmstack.gguf import convert
 from lmstack.model import eos_ids
 from lmstack.models import smollm2
 from lmstack.sampling import generate_text, stream_text
@@ -31,10 +30,8 @@ def lmstack_model(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def converted(gguf_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    convert(gguf_path, out)
-    return out
+def converted(smollm2_hf):
+    return smollm2_hf
 
 
 def test_greedy_text_matches_transformers_on_the_converted_directory(lmstack_model, converted):

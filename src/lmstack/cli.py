@@ -17,7 +17,7 @@ from . import models
 from .checkpoint import DTYPES, Checkpoint
 from .config import HFConfig, plan_for
 from .gguf import GGUFFile, is_gguf
-from .formats import WEIGHT_FORMATS
+from .formats import NUMERIC_PROFILES, WEIGHT_FORMATS
 from .sampling import Sampler, text_steps
 
 GENERATE_TOKENS = 64
@@ -44,11 +44,16 @@ def _parser() -> argparse.ArgumentParser:
                                      "checkpoint directory, a GGUF file, or the built-in 'smollm2'.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def weight_options(p):
+        p.add_argument("--weight-format", default="float32", choices=sorted(WEIGHT_FORMATS))
+        p.add_argument("--numeric-profile", default=None, choices=sorted(NUMERIC_PROFILES),
+                       help="the arithmetic (default: the weight format's own; see formats.py)")
+        p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
+
     def model_options(p, max_new_tokens):
         p.add_argument("--model", "-m", default=None,
                        help="checkpoint directory, .safetensors or .gguf file, or a name (default: smollm2)")
-        p.add_argument("--weight-format", default="float32", choices=sorted(WEIGHT_FORMATS))
-        p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
+        weight_options(p)
         p.add_argument("--max-new-tokens", "-n", type=_positive, default=max_new_tokens)
         p.add_argument("--temperature", "-t", type=float, default=0.0, help="0: greedy (the default)")
         p.add_argument("--top-k", type=int, default=0, help="0: off")
@@ -75,6 +80,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", type=Path, help="directory to write")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
+
+    p = commands.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    p.add_argument("model", help="checkpoint directory, .safetensors or .gguf file, or a name (smollm2)")
+    p.add_argument("file", type=Path, help="a UTF-8 text file")
+    weight_options(p)
+    p.add_argument("--window", type=_positive, default=512, help="tokens per window")
+    p.add_argument("--stride", type=_positive, default=None, help="tokens a window advances (default: window/2)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
+    p.set_defaults(run=_perplexity)
 
     p = commands.add_parser("info", help="what lmstack makes of a model, without loading its weights")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory, file or name (default: smollm2)")
@@ -110,10 +125,11 @@ class _Progress:
 
 
 def _load(args):
-    Sampler(**_sampling(args))  # refuse bad sampling flags before the load
+    if hasattr(args, "temperature"):
+        Sampler(**_sampling(args))  # refuse bad sampling flags before the load
     start = time.perf_counter()
-    lm, tokenizer = models.load(args.model, weight_format=args.weight_format, device=args.device,
-                                progress=_Progress(args.quiet, "loading"))
+    lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile,
+                                device=args.device, progress=_Progress(args.quiet, "loading"))
     if args.verbose:
         print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     return lm, tokenizer
@@ -155,6 +171,21 @@ def _generate(args):
         raise ValueError("the prompt is empty")
     lm, tokenizer = _load(args)
     _answer(lm, tokenizer, tokenizer.encode(prompt), args)
+
+
+def _perplexity(args):
+    from .perplexity import perplexity
+
+    try:
+        text = args.file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{args.file}: not UTF-8 text ({e})") from None
+    lm, tokenizer = _load(args)
+    ids = tokenizer.encode(text)
+    window = args.window if lm.max_positions is None else min(args.window, lm.max_positions)
+    result = perplexity(lm, [ids], window=window, stride=args.stride, progress=_Progress(args.quiet, "scoring"))
+    print(f"perplexity {result.perplexity:.4f} over {result.tokens} tokens "
+          f"(window {window}, stride {args.stride or window // 2}, {args.weight_format})")
 
 
 def _chat(args):

@@ -63,7 +63,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None, generator) -> torch.Tensor:
         """Next tokens (B,) from logits (B, vocab); `seen` (B, vocab) marks the tokens the penalty applies to."""
         if self.greedy:
-            return self.penalize(logits, seen).argmax(-1)
+            return self.penalize(logits.float(), seen).argmax(-1)  # float32: as transformers, and faster
         probs = self.filter(logits, seen).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 

@@ -49,6 +49,18 @@ class AttentionContext:
     masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal
 
 
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per row over the cache, (B, H, 1, D) x (B, KV, S, D), softmax in float32.
+
+    PyTorch's CPU SDPA kernel is several times slower than this for bfloat16 and a single query.
+    """
+    B, H, _, D = q.shape
+    kv = k.shape[1]
+    scores = (q.view(B, kv, H // kv, D) @ k.transpose(-1, -2)) * D**-0.5
+    weights = scores.float().softmax(dim=-1).to(q.dtype)
+    return (weights @ v).view(B, H, 1, D)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window):
         super().__init__()
@@ -75,9 +87,12 @@ class Attention(nn.Module):
             cache.v[:, :, ctx.start:end] = v
             k, v = cache.k[:, :, :end], cache.v[:, :, :end]
         mask = ctx.masks[self.window]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
-            enable_gqa=self.n_kv_heads != self.n_heads)
+        if L == 1 and mask is None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            y = one_query_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
+                enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o(y.transpose(1, 2).reshape(B, L, q_size))
 
 
