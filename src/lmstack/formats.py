@@ -2,8 +2,8 @@
 
 | weight_format | bytes/weight | default profile | other profile | matmul                                   |
 |---------------|--------------|-----------------|---------------|------------------------------------------|
-| float32       | 4            | fp32            | -             | F.linear                                 |
-| bfloat16      | 2            | bf16            | fp32          | oneDNN-packed bf16 on CPU, else F.linear |
+| float32       | 4            | fp32            | -             | oneDNN-packed on CPU, else F.linear      |
+| bfloat16      | 2            | bf16            | fp32          | oneDNN-packed on CPU, else F.linear      |
 | int8          | 1            | bf16            | fp32          | torch._weight_int8pack_mm (CPU, bf16)    |
 | int4          | 0.5          | bf16            | -             | torch._weight_int4pack_mm_for_cpu        |
 
@@ -38,13 +38,17 @@ def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
     return NUMERIC_PROFILES[profile]
 
 
-class PackedBF16Linear(nn.Module):
-    """bf16 weights reordered once into oneDNN's blocked layout: about twice F.linear's decode speed on CPU."""
+class PackedLinear(nn.Module):
+    """Weights reordered once into oneDNN's blocked layout (what torch.compile's CPU backend does).
+
+    On CPU it reads float32 and bfloat16 weights two to three times faster than F.linear for one row
+    (decode) and is no slower for many (prefill).
+    """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.out_features = linear.out_features
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
@@ -127,7 +131,7 @@ class UpcastLinear(nn.Module):
 
 
 def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.Module:
-    """The module that runs `linear` in `weight_format`; float32 and bf16-on-bf16 off CPU stay nn.Linear."""
+    """The module that runs `linear` in `weight_format`; float32 and bfloat16 off CPU stay nn.Linear."""
     on_cpu = linear.weight.device.type == "cpu"
     if weight_format == "int8":
         return Int8Linear(linear, compute)
@@ -140,6 +144,15 @@ def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.M
         return Int4Linear(linear)
     if weight_format == "bfloat16" and compute == torch.float32:
         return UpcastLinear(linear, compute)
-    if weight_format == "bfloat16" and on_cpu and torch.backends.mkldnn.is_available():
-        return PackedBF16Linear(linear)
+    if on_cpu and torch.backends.mkldnn.is_available():
+        return PackedLinear(linear)
+    return linear
+
+
+def head_projection(weight: torch.Tensor) -> nn.Module:
+    """The head's matmul: oneDNN-packed on CPU (for a tied head, a copy beside the embedding table)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return PackedLinear(linear)
     return linear

@@ -19,7 +19,7 @@ from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
 from .config import HFConfig, ModelPlan, UnsupportedModel, plan_for
-from .formats import QUANTIZED, convert, resolve
+from .formats import QUANTIZED, convert, head_projection, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
 from .sampling import Sampler
@@ -222,6 +222,7 @@ class CausalLM:
         self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
         tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
         self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
+        self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
         self.rotary = None
         if plan.kind == "transformer":
             self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
@@ -292,6 +293,17 @@ class CausalLM:
             if progress:
                 progress(done, len(targets))
         self._check_finite()
+        if self.head.device.type != "meta":
+            self._store_head()
+
+    def _store_head(self):
+        """The head's matmul in its fast form (formats.head_projection); an untied dense head is dropped."""
+        self.head_projection = head_projection(self.head)
+        name = self.plan.head_name
+        if name and self.head_projection.weight is not self.head:
+            self._converted[name] = (self.head_projection, None, "weight")
+            self._weights.pop(name, None)
+            self.head = None
 
     def _store_projections(self, i: int):
         """Re-store layer i's projection matrices in the weight format (formats.convert)."""
@@ -471,7 +483,11 @@ class CausalLM:
             state.length += ids.shape[1]
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x).to(self.head.dtype), self.head)
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head, in the model's dtype."""
+        return self.head_projection(self.norm(x).to(self.dtype))
 
     def _attention_context(self, shape, state) -> AttentionContext:
         B, L = shape

@@ -96,10 +96,10 @@ class ParallelCausalLM(CausalLM):
             return
         with self._exclusive():
             self.closed = True
-            self.blocks.to(META)
-            self.norm.to(META)
-            self.embed = self.head = None
+            self.blocks = self.norm = None  # re-stored projections are plain attributes, beyond .to()
+            self.embed = self.head = self.head_projection = None
             self._weights.clear()
+            self._converted.clear()
             if any(d.type == "cuda" for d in self.layer_devices):
                 torch.cuda.empty_cache()
 
@@ -212,7 +212,7 @@ class PipelineCausalLM(ParallelCausalLM):
             return x
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x).to(self.head.dtype), self.head).float()
+        return self._logits(x).float()
 
     def _send_header(self, op, batch=0, length=0, last_only=False, state=None, x=None):
         """What the next rank does next: stop, allocate a state, or run its layers on x (sent after)."""

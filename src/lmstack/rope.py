@@ -74,13 +74,13 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, L) -> cos, sin of shape (B, 1, L, head_dim) in `dtype`."""
+        """positions (B, L) -> cos, sin of shape (B, L, 1, head_dim) in `dtype`, broadcast over heads."""
         freqs = positions[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
         return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, L, D) by the half-split convention of Hugging Face checkpoints."""
+    """Rotate (B, L, H, D) by the half-split convention of Hugging Face checkpoints."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
