@@ -6,7 +6,8 @@
 Machines here are noisy (memory bandwidth drifts by 2x between sittings), so every number is printed
 beside a baseline measured in the same run: transformers in the same dtype (bfloat16 for int8/int4),
 this machine's read bandwidth, and llama.cpp on the same weights when `llama-cpp-python` is installed.
-Peak RSS of each load is measured in a fresh process.
+Prefill is the time to the first token of a long prompt (its logits only, as generation needs);
+decode, the tokens/s of the steps after it. Peak RSS of each load is measured in a fresh process.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from lmstack.gguf import convert, is_gguf
 
 HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
 LLAMA_CPP_TYPES = ("BF16", "Q8_0", "Q4_0")
+SILENT = None  # llama.cpp's log callback, made on first use (its per-tensor log would fill the screen)
 
 
 def median_time(fn, repeats):
@@ -37,22 +39,28 @@ def median_time(fn, repeats):
     return statistics.median(times)
 
 
-def read_bandwidth(repeats=5, nbytes=1 << 29) -> float:
-    """GB/s of a streaming read (a sum over a buffer far larger than the caches)."""
+def read_bandwidth(repeats=7, nbytes=1 << 30) -> float:
+    """GB/s of a streaming read: the fastest of several reductions over a buffer far larger than the caches."""
     buffer = torch.ones(nbytes // 4)
-    buffer.sum()
-    return nbytes / median_time(buffer.sum, repeats) / 1e9
+    best = float("inf")
+    for reduce in (buffer.sum, buffer.amax, buffer.sum, buffer.amax):
+        reduce()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            reduce()
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 def bytes_per_token(lm: CausalLM) -> int:
     """Weight bytes one decode step reads: every block, the final norm and the head (the embedding
     lookup reads one row)."""
-    def size(obj):
-        return sum(t.numel() * t.element_size() for t in vars(obj).values() if isinstance(t, torch.Tensor))
+    def size(module):
+        plain = sum(t.numel() * t.element_size() for t in vars(module).values() if isinstance(t, torch.Tensor))
+        return plain + sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
-    total = sum(size(m) for m in lm.blocks.modules()) + sum(
-        p.numel() * p.element_size() for p in lm.blocks.parameters())
-    return total + lm.head.numel() * lm.head.element_size() + lm.norm.weight.numel() * lm.norm.weight.element_size()
+    modules = [*lm.blocks.modules(), lm.norm, lm.head_projection]
+    return sum(size(m) for m in modules)
 
 
 def lmstack_speeds(lm, prompt, long_prompt, new_tokens, repeats):
@@ -66,8 +74,7 @@ def lmstack_speeds(lm, prompt, long_prompt, new_tokens, repeats):
 
     decode()  # warm up
     decode_rate = statistics.median(decode() for _ in range(repeats))
-    lm.forward(long_prompt[:, :32])
-    prefill_rate = long_prompt.shape[1] / median_time(lambda: lm.forward(long_prompt), repeats)
+    prefill_rate = long_prompt.shape[1] / median_time(lambda: next(lm.stream(long_prompt, 1)), repeats)
     return prefill_rate, decode_rate
 
 
@@ -81,8 +88,17 @@ def transformers_speeds(path, dtype, prompt, long_prompt, new_tokens, repeats):
         hf.generate(prompt, max_new_tokens=4, **options)
         first = median_time(lambda: hf.generate(prompt, max_new_tokens=1, **options), repeats)
         full = median_time(lambda: hf.generate(prompt, max_new_tokens=new_tokens, **options), repeats)
-        prefill = median_time(lambda: hf(long_prompt), repeats)
+        prefill = median_time(lambda: hf.generate(long_prompt, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                                                  attention_mask=torch.ones_like(long_prompt)), repeats)
     return long_prompt.shape[1] / prefill, (new_tokens - 1) / (full - first)
+
+
+def silence_llama_cpp():
+    global SILENT
+    import llama_cpp
+
+    SILENT = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(SILENT, None)
 
 
 def llama_cpp_speeds(gguf_path, prompt, long_prompt, new_tokens, repeats, threads):
@@ -183,7 +199,7 @@ def main():
         lm = CausalLM.load(checkpoint, weight_format=weight_format, device="cpu")
         prefill, decode = lmstack_speeds(lm, prompt, long_prompt, args.new_tokens, args.repeats)
         weight_bytes = bytes_per_token(lm)
-        model_bytes = weight_bytes + (0 if lm.head is lm.embed else lm.embed.numel() * lm.embed.element_size())
+        model_bytes = weight_bytes + lm.embed.numel() * lm.embed.element_size()
         del lm
         dtype = HF_DTYPE[weight_format]
         if not args.no_transformers and dtype not in baselines:
@@ -213,6 +229,7 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)")
         return
+    silence_llama_cpp()
     print("\nllama.cpp on the same weights (requantized from the source GGUF):")
     bf16_decode = baselines.get(torch.bfloat16, (None, None))[1]
     for name, gguf_path in {"source": source, **quantized_ggufs(source, workdir)}.items():
