@@ -112,3 +112,11 @@ def test_int8_greedy_text_leaves_float32_only_at_near_ties(smollm2_hf):
               f"{float(top2[0] - top2[1]):.3f}")
         assert top2[0] - top2[1] < 0.5
     print(f"int8 greedy text equal to float32 for 16 tokens on {same} of {len(prompts)} prompts")
+
+
+def test_int4_widths_are_checked_before_any_weight_is_read(tmp_path, llama):
+    config = json.loads((llama[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="intermediate_size divisible by 32, got 100"):
+        CausalLM.load(tmp_path, weight_format="int4", device="cpu")

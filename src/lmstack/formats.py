@@ -17,12 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import UnsupportedModel
+
 NUMERIC_PROFILES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PROFILE = {"float32": "fp32", "bfloat16": "bf16", "int8": "bf16", "int4": "bf16"}
 WEIGHT_FORMATS = tuple(DEFAULT_PROFILE)
 QUANTIZED = ("int8", "int4")
 PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
 INT4_GROUP = 32
+FAST_INT8_ROWS = 16  # up to this many rows torch._weight_int8pack_mm beats a dequantized matmul on CPU
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -36,6 +39,20 @@ def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
         raise ValueError(f"numeric_profile {profile!r} is not available with weight_format {weight_format!r} "
                          f"(available: {', '.join(PROFILES_OF[weight_format])})")
     return NUMERIC_PROFILES[profile]
+
+
+def check_format(weight_format: str, plan):
+    """Refuse, before any weight is read, a format the plan's kind or matrix widths cannot take."""
+    if weight_format in QUANTIZED and plan.kind != "transformer":
+        raise UnsupportedModel(f"weight_format {weight_format!r} is not available for {plan.kind} models "
+                               f"(model_type {plan.model_type!r}); use float32 or bfloat16")
+    if weight_format == "int4":
+        o = plan.block_options
+        widths = {"hidden_size": plan.d_model, "intermediate_size": o["d_ff"],
+                  "heads * head_dim": o["n_heads"] * o["head_dim"]}
+        for name, width in widths.items():
+            if width % INT4_GROUP:
+                raise ValueError(f"weight_format 'int4' needs {name} divisible by {INT4_GROUP}, got {width}")
 
 
 class PackedLinear(nn.Module):
@@ -74,10 +91,10 @@ class Int8Linear(nn.Module):
         self.fast = self.weight.device.type == "cpu" and compute == torch.bfloat16
 
     def forward(self, x):
-        if self.fast:
+        if self.fast and x.numel() <= FAST_INT8_ROWS * x.shape[-1]:
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
             y = y.view(*x.shape[:-1], -1)
-        else:
+        else:  # many rows (a prefill): the kernel is slower than dequantizing once for a dense matmul
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         return y if self.bias is None else y + self.bias
 
@@ -136,12 +153,7 @@ def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.M
     if weight_format == "int8":
         return Int8Linear(linear, compute)
     if weight_format == "int4":
-        if not on_cpu:
-            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
-        if linear.in_features % INT4_GROUP:
-            raise ValueError(f"weight_format 'int4' needs input widths divisible by {INT4_GROUP}, "
-                             f"got {linear.in_features}")
-        return Int4Linear(linear)
+        return Int4Linear(linear)  # check_format made sure of the device and the widths
     if weight_format == "bfloat16" and compute == torch.float32:
         return UpcastLinear(linear, compute)
     if on_cpu and torch.backends.mkldnn.is_available():

@@ -18,8 +18,8 @@ from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
-from .config import HFConfig, ModelPlan, UnsupportedModel, plan_for
-from .formats import QUANTIZED, convert, head_projection, resolve
+from .config import HFConfig, ModelPlan, plan_for
+from .formats import QUANTIZED, check_format, convert, head_projection, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
 from .sampling import Sampler
@@ -208,6 +208,8 @@ class CausalLM:
         # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
         # The embedding lives with the first block, the norm and head with the last.
         self.layer_devices = [self.device] * plan.n_layers if layer_devices is None else list(layer_devices)
+        if self.weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
+            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
         self.vocab_size = plan.vocab_size
         self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
         with torch.device("meta"):
@@ -254,9 +256,7 @@ class CausalLM:
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
             source, directory = Checkpoint(path), config.path.parent
         plan = plan_for(config)
-        if weight_format in ("int8", "int4") and plan.kind != "transformer":
-            raise UnsupportedModel(f"weight_format {weight_format!r} is not available for {plan.kind} models "
-                                   f"(model_type {plan.model_type!r}); use float32 or bfloat16")
+        check_format(weight_format, plan)
         _check_tensors(plan, source)
         model = cls(plan, dtype=dtype, device=device, max_positions=max_positions, weight_format=weight_format)
         model.eos_ids = eos_ids(config, directory)
