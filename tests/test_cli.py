@@ -151,3 +151,14 @@ def test_progress_bar_on_a_terminal_unless_quiet(tiny_gguf, quiet):
     os.close(master)
     assert process.wait(timeout=600) == 0
     assert (b"loading:" in shown) != quiet
+
+
+def test_pipeline_over_two_processes_prints_what_one_process_prints(tiny_gguf):
+    args = ["generate", "hello world", "--model", str(tiny_gguf), "-n", "8", "--device", "cpu"]
+    code, alone, err = lmstack(*args)
+    assert code == 0, err
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "lmstack", *args, "--pipeline"]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == alone

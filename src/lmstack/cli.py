@@ -6,6 +6,7 @@ only when it is a terminal.
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import textwrap
@@ -14,6 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 from . import models
+from .model import CausalLM
+from .parallel import PipelineCausalLM
 from .checkpoint import DTYPES, Checkpoint
 from .config import HFConfig, plan_for
 from .gguf import GGUFFile, is_gguf
@@ -68,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="continue a prompt, streaming the text")
     p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     model_options(p, GENERATE_TOKENS)
+    p.add_argument("--pipeline", action="store_true",
+                   help="split the layers over the processes of `torchrun --nproc-per-node N -m lmstack generate "
+                        "--pipeline ...`; rank 0 prints")
     p.set_defaults(run=_generate)
 
     p = commands.add_parser("chat", help="talk with the model through its chat template")
@@ -128,8 +134,10 @@ def _load(args):
     if hasattr(args, "temperature"):
         Sampler(**_sampling(args))  # refuse bad sampling flags before the load
     start = time.perf_counter()
+    model_class = PipelineCausalLM if getattr(args, "pipeline", False) else CausalLM
     lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile,
-                                device=args.device, progress=_Progress(args.quiet, "loading"))
+                                device=args.device, progress=_Progress(args.quiet, "loading"),
+                                model_class=model_class)
     if args.verbose:
         print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
     return lm, tokenizer
@@ -162,6 +170,8 @@ def _answer(lm, tokenizer, ids, args) -> str:
 
 
 def _generate(args):
+    if args.pipeline and int(os.environ.get("RANK", "0")):  # a later stage: its layers, until rank 0 is done
+        return _load(args)[0].serve()
     prompt = args.prompt
     if prompt is None:
         if sys.stdin.isatty():
@@ -170,7 +180,11 @@ def _generate(args):
     if not prompt:
         raise ValueError("the prompt is empty")
     lm, tokenizer = _load(args)
-    _answer(lm, tokenizer, tokenizer.encode(prompt), args)
+    try:
+        _answer(lm, tokenizer, tokenizer.encode(prompt), args)
+    finally:
+        if args.pipeline:
+            lm.close()  # ends the other ranks' serve()
 
 
 def _perplexity(args):

@@ -37,12 +37,12 @@ def resolve(model: str | None) -> Path:
     return path
 
 
-def load(model: str | None, *, progress=None, **options):
-    """(CausalLM, Tokenizer) for a model argument; `options` go to CausalLM.load."""
+def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
+    """(model, Tokenizer) for a model argument; `options` go to model_class.load (CausalLM's or a subclass's)."""
     path = resolve(model)
     if is_gguf(path):
         source = GGUFFile(path)
         tokenizer = source.tokenizer()
-        return CausalLM.load(source, progress=progress, **options), tokenizer
+        return model_class.load(source, progress=progress, **options), tokenizer
     tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
-    return CausalLM.load(path, progress=progress, **options), tokenizer
+    return model_class.load(path, progress=progress, **options), tokenizer
