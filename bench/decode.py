@@ -123,7 +123,6 @@ def llama_cpp_speeds(gguf_path, prompt, long_prompt, new_tokens, repeats, thread
         llm.eval(long_prompt[0].tolist())
 
     prefill_rate = long_prompt.shape[1] / median_time(prefill, repeats)
-    del llm
     return prefill_rate, decode_rate
 
 

@@ -24,11 +24,13 @@ from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel
 from .gguf import GGUFFile
 from .model import CausalLM, CausalLMState
 from .parallel import ParallelCausalLM, PipelineCausalLM
+from .perplexity import Perplexity, perplexity
 from .sampling import Sampler, TextStream, generate_text, stream_text
 from .tokenizer import PATTERNS, Tokenizer, TokenizerError
 
 __all__ = [
     "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
-    "ModelPlan", "PATTERNS", "ParallelCausalLM", "PipelineCausalLM", "SafetensorsFile", "Sampler", "TextStream",
-    "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text", "plan_for", "stream_text",
+    "ModelPlan", "PATTERNS", "ParallelCausalLM", "Perplexity", "PipelineCausalLM", "SafetensorsFile", "Sampler",
+    "TextStream", "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text", "perplexity", "plan_for",
+    "stream_text",
 ]

@@ -306,7 +306,8 @@ def _transformer_plan(f: _Fields, family: Family) -> ModelPlan:
         raise f._bad("num_key_value_heads", n_kv_heads, f"a divisor of num_attention_heads ({n_heads})")
     if f.cfg.get("head_dim") is None:
         if d_model % n_heads:
-            raise f._bad("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads}) when head_dim is absent")
+            raise f._bad("hidden_size", d_model,
+                         f"a multiple of num_attention_heads ({n_heads}) when head_dim is absent")
         head_dim = d_model // n_heads
     else:
         head_dim = f.int("head_dim", maximum=4096)

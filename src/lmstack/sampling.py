@@ -31,7 +31,8 @@ class Sampler:
     def __post_init__(self):
         def number(name, ok, expected):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not is_number or not math.isfinite(value) or not ok(value):
                 raise ValueError(f"{name} must be {expected}, got {value!r}")
 
         number("temperature", lambda t: t >= 0, "a number >= 0")
