@@ -49,7 +49,8 @@ def main(path):
             lm.forward(ids, ours), reference.forward(ids, theirs)
             results.append(check(f"decode state close to CausalLM's on {device}", all(
                 torch.allclose(a.k.cpu(), b.k.cpu(), rtol=1e-4, atol=1e-4)
-                and torch.allclose(a.v.cpu(), b.v.cpu(), rtol=1e-4, atol=1e-4) for a, b in zip(ours.layers, theirs.layers))))
+                and torch.allclose(a.v.cpu(), b.v.cpu(), rtol=1e-4, atol=1e-4)
+                for a, b in zip(ours.layers, theirs.layers))))
     del ours, theirs, logits
     baseline = torch.cuda.memory_allocated(0)
     with ParallelCausalLM.load(path, layer_devices=split) as lm:
