@@ -7,10 +7,11 @@
 | int8          | 1            | bf16            | fp32          | torch._weight_int8pack_mm (CPU, bf16)    |
 | int4          | 0.5          | bf16            | -             | torch._weight_int4pack_mm_for_cpu        |
 
-int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
-layout, PyTorch's packed CPU kernel). Only the four projection matrices of each block are quantized:
-the embedding table, the norms and the head keep the profile's floating-point type. A profile other
-than a format's default dequantizes per call: exact arithmetic, slower.
+int8 is symmetric per output channel (prefills of more than FAST_INT8_ROWS rows dequantize instead,
+which is faster there); int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1 layout, PyTorch's
+packed CPU kernel). Only the four projection matrices of each block are quantized: the embedding
+table, the norms and the head keep the profile's floating-point type (the head oneDNN-packed on CPU).
+A profile other than a format's default dequantizes per call: exact arithmetic, slower.
 """
 
 import torch
