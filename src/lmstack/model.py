@@ -3,10 +3,9 @@
 import ctypes
 import ctypes.util
 import dataclasses
-import json
-from functools import partial
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
-from .config import HFConfig, ModelPlan, plan_for
+from .config import HFConfig, ModelPlan, plan_for, read_json
 from .formats import QUANTIZED, check_format, convert, head_projection, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
@@ -65,8 +64,7 @@ def _check_tensors(plan: ModelPlan, checkpoint):
         for i in range(plan.n_layers):
             block = _block(plan, i, torch.float32)
             for key, name, rows in plan.layer_weights(i):
-                param = block.get_parameter(key)
-                shapes[name] = tuple((param if rows is None else param[rows]).shape)
+                shapes[name] = tuple(_parameter_rows(block, key, rows).shape)
     for name, shape in shapes.items():
         if name not in checkpoint:
             raise CheckpointError(f"{checkpoint.path}: missing tensor {name!r}")
@@ -125,10 +123,7 @@ def eos_ids(config, directory: Path | None = None) -> tuple[int, ...]:
     value = None
     generation = directory / "generation_config.json" if directory else None
     if generation and generation.is_file():
-        try:
-            value = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{generation}: not a JSON object ({e})") from None
+        value = read_json(generation).get("eos_token_id")
     if value is None:
         value = config.get("eos_token_id")
     values = value if isinstance(value, list) else [value]
