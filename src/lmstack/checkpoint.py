@@ -6,6 +6,7 @@ is refused with its path and tensor name instead of crashing or allocating what 
 
 import math
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,14 +65,9 @@ class SafetensorsFile:
         """The tensor as torch; bf16="widen" gives bfloat16 as float32, "bits" keeps it bfloat16."""
         if bf16 not in ("widen", "bits"):
             raise ValueError(f"bf16 must be 'widen' or 'bits', got {bf16!r}")
-        if self.closed:
-            raise ValueError(f"{self.path}: read from a closed file")
-        info = self.info(name)
-        try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                tensor = handle.get_tensor(name)
-        except (SafetensorError, OSError) as e:  # the file changed since its header was checked
-            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from None
+        with self._mapped(name) as handle:
+            info = self.info(name)
+            tensor = handle.get_tensor(name)
         if info.dtype == "BF16" and bf16 == "widen":
             tensor = tensor.float()
         return tensor
@@ -82,23 +78,29 @@ class SafetensorsFile:
         No full-size transient: a load never holds a second copy of the largest tensor, and the
         allocator is never handed a huge block to free (which would make it keep later ones).
         """
+        with self._mapped(name) as handle:
+            info = self.info(name)
+            if tuple(dest.shape) != info.shape:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
+                                      f"the destination {list(dest.shape)}")
+            if not info.shape:
+                dest.copy_(handle.get_tensor(name))
+                return
+            row_bytes = math.prod(info.shape[1:]) * DTYPES[info.dtype][1]
+            rows = max(1, READ_SLICE_BYTES // max(1, row_bytes))
+            tensor = handle.get_slice(name)
+            for start in range(0, info.shape[0], rows):
+                dest[start:start + rows].copy_(tensor[start:start + rows])
+
+    @contextmanager
+    def _mapped(self, name: str):
+        """The file mapped for one read of `name`; a file changed since its header was checked is named."""
         if self.closed:
             raise ValueError(f"{self.path}: read from a closed file")
-        info = self.info(name)
-        if tuple(dest.shape) != info.shape:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
-                                  f"the destination {list(dest.shape)}")
-        row_bytes = math.prod(info.shape[1:]) * DTYPES[info.dtype][1]
-        rows = max(1, READ_SLICE_BYTES // max(1, row_bytes))
         try:
             with safe_open(str(self.path), framework="pt") as handle:
-                if not info.shape:
-                    dest.copy_(handle.get_tensor(name))
-                    return
-                tensor = handle.get_slice(name)
-                for start in range(0, info.shape[0], rows):
-                    dest[start:start + rows].copy_(tensor[start:start + rows])
-        except (SafetensorError, OSError) as e:  # the file changed since its header was checked
+                yield handle
+        except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from None
 
     def close(self):

@@ -466,10 +466,7 @@ class CausalLM:
     def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:
         """The one path every entry point takes; ids are already checked."""
         x = F.embedding(ids.to(self.device), self.embed)
-        if self.rotary is None:
-            ctx = self._recurrent_context(ids.shape, state)
-        else:
-            ctx = self._attention_context(ids.shape, state)
+        ctx = self._context(ids.shape, state)
         for i, block in enumerate(self.blocks):
             if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
                 x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
@@ -483,6 +480,12 @@ class CausalLM:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head, in the model's dtype."""
         return self.head_projection(self.norm(x).to(self.dtype))
+
+    def _context(self, shape, state):
+        """What every layer of one forward shares, for this model's kind of block."""
+        if self.rotary is None:
+            return self._recurrent_context(shape, state)
+        return self._attention_context(shape, state)
 
     def _attention_context(self, shape, state) -> AttentionContext:
         B, L = shape

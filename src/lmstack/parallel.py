@@ -203,7 +203,7 @@ class PipelineCausalLM(ParallelCausalLM):
     def _stage(self, x, state, last_only):
         """CausalLM._run's steps for this rank's layers on x (B, L, d_model); the last rank ends with the head."""
         shape = x.shape[:2]
-        ctx = self._recurrent_context(shape, state) if self.rotary is None else self._attention_context(shape, state)
+        ctx = self._context(shape, state)
         for i in self.layers:
             x = self.blocks[i](x, None if state is None else state.layers[i], ctx)
         if state is not None:
