@@ -1,23 +1,25 @@
 """Weight formats (how projection matrices are stored) and numeric profiles (the arithmetic).
 
-| weight_format | bytes/weight | default profile | other profile | matmul                                   |
+| weight_format | bytes/weight | default profile | other profile | matmul on CPU (few rows / many rows)     |
 |---------------|--------------|-----------------|---------------|------------------------------------------|
-| float32       | 4            | fp32            | -             | oneDNN-packed on CPU, else F.linear      |
-| bfloat16      | 2            | bf16            | fp32          | oneDNN-packed on CPU, else F.linear      |
-| int8          | 1            | bf16            | fp32          | torch._weight_int8pack_mm (CPU, bf16)    |
+| float32       | 4            | fp32            | -             | oneDNN-packed                            |
+| bfloat16      | 2            | bf16            | fp32          | kernels.matvec_bf16 / F.linear           |
+| int8          | 1            | bf16            | fp32          | kernels.matvec_int8 / dequantized matmul |
 | int4          | 0.5          | bf16            | -             | torch._weight_int4pack_mm_for_cpu        |
 
-int8 is symmetric per output channel (prefills of more than FAST_INT8_ROWS rows dequantize instead,
-which is faster there); int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1 layout, PyTorch's
-packed CPU kernel). Only the four projection matrices of each block are quantized: the embedding
-table, the norms and the head keep the profile's floating-point type (the head oneDNN-packed on CPU).
-A profile other than a format's default dequantizes per call: exact arithmetic, slower.
+int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
+layout, PyTorch's packed CPU kernel). Only the four projection matrices of each block are quantized:
+the embedding table, the norms and the head keep the profile's floating-point type. Where lmstack's
+kernels cannot run (kernels.py), bfloat16 is oneDNN-packed and int8 few-row products use
+torch._weight_int8pack_mm. Off CPU, float32 and bfloat16 are plain nn.Linear. A profile other than a
+format's default dequantizes per call (bfloat16 weights, fp32 profile): exact arithmetic, slower.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import UnsupportedModel
 
 NUMERIC_PROFILES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -27,6 +29,10 @@ QUANTIZED = ("int8", "int4")
 PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
 INT4_GROUP = 32
 FAST_INT8_ROWS = 16  # up to this many rows torch._weight_int8pack_mm beats a dequantized matmul on CPU
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -60,7 +66,7 @@ class PackedLinear(nn.Module):
     """Weights reordered once into oneDNN's blocked layout (what torch.compile's CPU backend does).
 
     On CPU it reads float32 and bfloat16 weights two to three times faster than F.linear for one row
-    (decode) and is no slower for many (prefill).
+    (decode) and is no slower for many (prefill). lmstack's bfloat16 kernel is faster still (MatvecLinear).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -83,24 +89,29 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, compute: torch.dtype):
         super().__init__()
         w = linear.weight.detach().float()
-        # rounded to the kernel's dtype first, so each weight lands within half a step of the stored scale
+        # rounded to the compute dtype first, so each weight lands within half a step of the stored scale
         absmax = torch.maximum(w.amax(dim=1), -w.amin(dim=1))
-        self.scales = (absmax / 127).clamp(min=torch.finfo(compute).tiny).to(compute)
-        q = w / self.scales.float()[:, None]  # the one full-size temporary: a load stays lean
+        self.scales = (absmax / 127).clamp(min=torch.finfo(compute).tiny).to(compute).float()
+        q = w / self.scales[:, None]  # the one full-size temporary: a load stays lean
         self.weight = q.round_().clamp_(-127, 127).to(torch.int8)
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
-        self.fast = self.weight.device.type == "cpu" and compute == torch.bfloat16
+        on_cpu = self.weight.device.type == "cpu"
+        self.kernel = on_cpu and kernels.available()
+        self.packed_kernel = on_cpu and compute == torch.bfloat16  # PyTorch's, where lmstack's cannot run
 
     def forward(self, x):
-        if self.fast and x.numel() <= FAST_INT8_ROWS * x.shape[-1]:
-            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+        rows = _rows(x)
+        if self.kernel and rows <= kernels.KERNEL_ROWS:
+            return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
+        if self.packed_kernel and rows <= FAST_INT8_ROWS:
+            y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
-        else:  # many rows (a prefill): the kernel is slower than dequantizing once for a dense matmul
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        else:  # many rows (a prefill): dequantizing once for a dense matmul beats the few-row kernels
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.float() * self.scales.float()[:, None]
+        return self.weight.float() * self.scales[:, None]
 
 
 class Int4Linear(nn.Module):
@@ -133,6 +144,23 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class MatvecLinear(nn.Module):
+    """bfloat16 weights as they are: lmstack's kernel for a few rows (decode), F.linear for more (prefill)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x):
+        if _rows(x) <= kernels.KERNEL_ROWS:
+            return kernels.matvec_bf16(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
+
+
 class UpcastLinear(nn.Module):
     """Weights kept in their storage dtype, multiplied in the (wider) compute dtype."""
 
@@ -148,24 +176,31 @@ class UpcastLinear(nn.Module):
         return self.weight
 
 
+def _fast_cpu_linear(linear: nn.Linear) -> nn.Module:
+    """A float32 or bfloat16 matrix in its fastest CPU form (the same module elsewhere)."""
+    weight = linear.weight
+    if weight.device.type != "cpu":
+        return linear
+    if weight.dtype == torch.bfloat16 and kernels.available():
+        return MatvecLinear(linear)
+    if torch.backends.mkldnn.is_available():
+        return PackedLinear(linear)
+    return linear
+
+
 def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.Module:
-    """The module that runs `linear` in `weight_format`; float32 and bfloat16 off CPU stay nn.Linear."""
-    on_cpu = linear.weight.device.type == "cpu"
+    """The module that runs `linear` in `weight_format`."""
     if weight_format == "int8":
         return Int8Linear(linear, compute)
     if weight_format == "int4":
         return Int4Linear(linear)  # check_format made sure of the device and the widths
     if weight_format == "bfloat16" and compute == torch.float32:
         return UpcastLinear(linear, compute)
-    if on_cpu and torch.backends.mkldnn.is_available():
-        return PackedLinear(linear)
-    return linear
+    return _fast_cpu_linear(linear)
 
 
 def head_projection(weight: torch.Tensor) -> nn.Module:
-    """The head's matmul: oneDNN-packed on CPU (for a tied head, a copy beside the embedding table)."""
+    """The head's matmul in its fastest form; on CPU without lmstack's kernels a tied head is a packed copy."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-        return PackedLinear(linear)
-    return linear
+    return _fast_cpu_linear(linear)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..rope import apply_rotary
 
 ACTIVATIONS = {
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and kernels.usable(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
@@ -59,17 +62,23 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         H, KV = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, L, H + 2 * KV, self.head_dim)
-        qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:].transpose(1, 2)
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)  # the q and k heads in one pass
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-        if cache is not None:
-            end = ctx.start + L
-            cache.k[:, :, ctx.start:end] = k
-            cache.v[:, :, ctx.start:end] = v
-            k, v = cache.k[:, :, :end], cache.v[:, :, :end]
+            qkv = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV]), qkv[:, :, H + KV:]), dim=2)
         mask = ctx.masks[self.window]
+        if cache is not None and kernels.usable(qkv, cache.k):
+            q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
+            end = ctx.start + L
+            if L == 1 and mask is None:
+                return self.o(kernels.decode_attention(q, cache.k, cache.v, end))
+            q, k, v = q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end]
+        else:
+            qk = apply_rotary(qkv[:, :, :H + KV], ctx.cos, ctx.sin)  # the q and k heads in one pass
+            q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2)
+            if cache is not None:
+                end = ctx.start + L
+                cache.k[:, :, ctx.start:end] = k
+                cache.v[:, :, ctx.start:end] = v
+                k, v = cache.k[:, :, :end], cache.v[:, :, :end]
         gqa = KV != H
         if L == 1 and mask is None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # one query: PyTorch's CPU kernel is 3x faster on float32 copies than on bfloat16
@@ -88,7 +97,10 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.act is F.silu and kernels.usable(gate_up):
+            return self.down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
 

@@ -1,0 +1,371 @@
+// lmstack's CPU kernels for decoding, on x86 CPUs with AVX512-BF16 (see kernels.py for when they run).
+//
+// matvec_*: y = x @ w.T (+ bias) for a few rows of x. Decoding reads every weight once per token, so
+// these make one pass over w, TILE rows at a time (each load of x serves TILE dot products), and split
+// the tiles over PyTorch's threads. Sums are float32; each output is rounded once, after scale and bias.
+// rms_norm, rope_into_cache, decode_attention and silu_mul (bfloat16): what eager PyTorch spends a dozen
+// small operators on, in one call, rounding to bfloat16 where the reference does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 8;
+constexpr int64_t TASK_WEIGHTS = 1 << 15;  // fewer weights than this per thread: not worth a thread
+
+// the four sums of a[0..3]; a tile's cost is mostly its loads, so its reduction must stay cheap
+inline __m128 sum4(const __m512* a) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// out[0..ROWS) = sums of acc; ROWS is 1 or a multiple of 4
+template <int ROWS>
+inline void store_sums(const __m512* acc, float* out) {
+  if constexpr (ROWS == 1) out[0] = _mm512_reduce_add_ps(acc[0]);
+  else for (int r = 0; r < ROWS; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
+}
+
+// dot products of one bf16 row x with ROWS bf16 rows of w (row stride K)
+template <int ROWS>
+__attribute__((always_inline)) inline void dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    for (int r = 0; r < ROWS; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+  }
+  if (k < K) {
+    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+    for (int r = 0; r < ROWS; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+  }
+  store_sums<ROWS>(acc, out);
+}
+
+inline __m512 int8_to_float(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+// dot products of one float32 row x with ROWS int8 rows of w; two accumulators per row hide the latency
+template <int ROWS>
+__attribute__((always_inline)) inline void dot_int8(const float* x, const int8_t* w, int64_t K, float* out) {
+  __m512 even[ROWS], odd[ROWS];
+  for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int r = 0; r < ROWS; r++) {
+      even[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(w + r * K + k))), x0, even[r]);
+      odd[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(w + r * K + k + 16))), x1, odd[r]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = (__mmask16)((1u << std::min<int64_t>(16, K - k)) - 1);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+    for (int r = 0; r < ROWS; r++) even[r] = _mm512_fmadd_ps(int8_to_float(_mm_maskz_loadu_epi8(m, w + r * K + k)), xv, even[r]);
+  }
+  for (int r = 0; r < ROWS; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
+  store_sums<ROWS>(even, out);
+}
+
+// The TILE-row tiles of w split over PyTorch's threads: rows(n0, n1) computes outputs n0..n1-1.
+template <typename Rows>
+void split_rows(int64_t N, int64_t K, const Rows& rows) {
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * K)), [&](int64_t begin, int64_t end) {
+    rows(begin * TILE, std::min(N, end * TILE));
+  });
+}
+
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), w and bias
+void rows_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, const c10::BFloat16* bias,
+               c10::BFloat16* y, int64_t n0, int64_t n1) {
+  float sums[TILE];
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    for (int64_t m = 0; m < M; m++) {
+      if (rows == TILE) dot_bf16<TILE>(x + m * K, w + n * K, K, sums);
+      else for (int64_t r = 0; r < rows; r++) dot_bf16<1>(x + m * K, w + (n + r) * K, K, sums + r);
+      for (int64_t r = 0; r < rows; r++) y[m * N + n + r] = c10::BFloat16(bias ? sums[r] + float(bias[n + r]) : sums[r]);
+    }
+  }
+}
+
+// y[:, n0:n1] = (x @ w[n0:n1].T) * scales + bias for float32 x (M x K), int8 w, y and bias of type T
+template <typename T>
+void rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const float* scales, const T* bias,
+               T* y, int64_t n0, int64_t n1) {
+  float sums[TILE];
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    for (int64_t m = 0; m < M; m++) {
+      if (rows == TILE) dot_int8<TILE>(x + m * K, w + n * K, K, sums);
+      else for (int64_t r = 0; r < rows; r++) dot_int8<1>(x + m * K, w + (n + r) * K, K, sums + r);
+      for (int64_t r = 0; r < rows; r++) {
+        const float scaled = sums[r] * scales[n + r];
+        y[m * N + n + r] = T(bias ? scaled + float(bias[n + r]) : scaled);
+      }
+    }
+  }
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                    at::ScalarType bias_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "matvec: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "matvec: w must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.size(1) == w.size(1), "matvec: x has ", x.size(1), " columns, w has ", w.size(1));
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == w.size(0) &&
+                bias->scalar_type() == bias_dtype, "matvec: bias must be a contiguous vector of ", w.size(0), " ", bias_dtype);
+}
+
+at::Tensor matvec_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_operands(x, w, bias, at::kBFloat16);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "matvec_bf16: x and w must be bfloat16");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
+  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
+  split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_bf16(xp, M, wp, N, K, bp, yp, n0, n1); });
+  return y;
+}
+
+template <typename T>
+void matvec_int8_as(const at::Tensor& x, const at::Tensor& w, const float* scales, const T* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  std::vector<float> xf(xp, xp + M * K);  // float32 copies of the few rows of x
+  const auto* wp = static_cast<const int8_t*>(w.data_ptr());
+  T* yp = static_cast<T*>(y.data_ptr());
+  split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_int8<T>(xf.data(), M, wp, N, K, scales, bias, yp, n0, n1); });
+}
+
+// int8 weights with a float32 scale per output row, x in bfloat16 or float32 (y and bias in x's dtype)
+at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  check_operands(x, w, bias, x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kChar, "matvec_int8: w must be int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.size(0) == w.size(0) &&
+              scales.scalar_type() == at::kFloat, "matvec_int8: scales must be a contiguous float32 vector of ", w.size(0));
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  const auto* sp = static_cast<const float*>(scales.data_ptr());
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
+    matvec_int8_as<c10::BFloat16>(x, w, sp, bp, y);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "matvec_int8: x must be bfloat16 or float32");
+    const auto* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) : nullptr;
+    matvec_int8_as<float>(x, w, sp, bp, y);
+  }
+  return y;
+}
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)) for every row of x (bfloat16)
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
+              "rms_norm_bf16: x must be a contiguous bfloat16 CPU tensor");
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "rms_norm_bf16: weight must be a contiguous bfloat16 vector of ", D);
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const auto* xp = static_cast<const c10::BFloat16*>(x.data_ptr());
+  const auto* wp = static_cast<const c10::BFloat16*>(w.data_ptr());
+  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
+  at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const c10::BFloat16* row = xp + i * D;
+      float squares = 0;
+      for (int64_t d = 0; d < D; d++) squares += float(row[d]) * float(row[d]);
+      const float scale = 1.0f / std::sqrt(squares / D + float(eps));
+      for (int64_t d = 0; d < D; d++)
+        yp[i * D + d] = c10::BFloat16(float(wp[d]) * float(c10::BFloat16(float(row[d]) * scale)));
+    }
+  });
+  return y;
+}
+
+// the half-split rotation of one head, rounded as the reference's bf16 x * cos + rotate_half(x) * sin
+void rotate(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t D, c10::BFloat16* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; d++) {
+    const float turned = d < half ? -float(x[d + half]) : float(x[d - half]);
+    out[d] = c10::BFloat16(float(c10::BFloat16(float(x[d]) * float(cos[d]))) + float(c10::BFloat16(turned * float(sin[d]))));
+  }
+}
+
+void check_bf16_cpu(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.device().is_cpu(),
+              name, " must be a contiguous ", dim, "-D bfloat16 CPU tensor");
+}
+
+// L new tokens per row: rotate their q and k heads, write k and v into the caches at slots
+// start..start+L-1, return the rotated q heads. qkv (B, L, H + 2 KV, D); cos, sin (B, L, 1, D);
+// caches (B, KV, T, D); returns (B, L, H, D).
+at::Tensor rope_into_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  check_bf16_cpu(qkv, "rope_into_cache: qkv", 4);
+  check_bf16_cpu(cos, "rope_into_cache: cos", 4);
+  check_bf16_cpu(sin, "rope_into_cache: sin", 4);
+  check_bf16_cpu(k_cache, "rope_into_cache: k_cache", 4);
+  check_bf16_cpu(v_cache, "rope_into_cache: v_cache", 4);
+  const int64_t B = qkv.size(0), L = qkv.size(1), D = qkv.size(3), KV = k_cache.size(1), T = k_cache.size(2);
+  const int64_t H = qkv.size(2) - 2 * KV, heads = H + 2 * KV;
+  TORCH_CHECK(H > 0 && D % 2 == 0, "rope_into_cache: qkv ", qkv.sizes(), " does not fit caches ", k_cache.sizes());
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(3) == D,
+              "rope_into_cache: caches ", k_cache.sizes(), " and ", v_cache.sizes(), " do not fit qkv ", qkv.sizes());
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == L && cos.size(2) == 1 && cos.size(3) == D,
+              "rope_into_cache: cos/sin ", cos.sizes(), " do not fit qkv ", qkv.sizes());
+  TORCH_CHECK(start >= 0 && start + L <= T, "rope_into_cache: slots ", start, "..", start + L, " outside a cache of ", T);
+  at::Tensor q = at::empty({B, L, H, D}, qkv.options());
+  const auto* x = static_cast<const c10::BFloat16*>(qkv.data_ptr());
+  const auto* cp = static_cast<const c10::BFloat16*>(cos.data_ptr());
+  const auto* sp = static_cast<const c10::BFloat16*>(sin.data_ptr());
+  auto* qp = static_cast<c10::BFloat16*>(q.data_ptr());
+  auto* kc = static_cast<c10::BFloat16*>(k_cache.data_ptr());
+  auto* vc = static_cast<c10::BFloat16*>(v_cache.data_ptr());
+  at::parallel_for(0, B * L, std::max<int64_t>(1, TASK_WEIGHTS / (heads * D)), [&](int64_t begin, int64_t end) {
+    for (int64_t bl = begin; bl < end; bl++) {
+      const int64_t b = bl / L, slot = start + bl % L;
+      const c10::BFloat16* token = x + bl * heads * D;
+      for (int64_t h = 0; h < H; h++) rotate(token + h * D, cp + bl * D, sp + bl * D, D, qp + (bl * H + h) * D);
+      for (int64_t g = 0; g < KV; g++) {
+        const int64_t at = ((b * KV + g) * T + slot) * D;
+        rotate(token + (H + g) * D, cp + bl * D, sp + bl * D, D, kc + at);
+        std::copy(token + (H + KV + g) * D, token + (H + KV + g + 1) * D, vc + at);
+      }
+    }
+  });
+  return q;
+}
+
+// e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts, for exact reduction
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __mmask16 first(int64_t n) { return (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
+
+// q . k for a float32 q and a bfloat16 k of length D
+inline float dot_q_k(const float* q, const c10::BFloat16* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), bf16_to_float(_mm256_loadu_si256((const __m256i*)(k + d))), acc);
+  if (d < D)
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(first(D - d), q + d), bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), k + d)), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out += p * v for a bfloat16 v of length D
+inline void add_scaled(float* out, float p, const c10::BFloat16* v, int64_t D) {
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = first(D - d);
+    _mm512_mask_storeu_ps(out + d, m, _mm512_fmadd_ps(pv, bf16_to_float(_mm256_maskz_loadu_epi16(m, v + d)), _mm512_maskz_loadu_ps(m, out + d)));
+  }
+}
+
+// One query per row, no mask: each q head (B, 1, H, D) attends over slots 0..length-1 of its kv head
+// (grouped-query order) with a float32 softmax. Returns (B, 1, H * D).
+at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length) {
+  check_bf16_cpu(q, "decode_attention: q", 4);
+  check_bf16_cpu(k_cache, "decode_attention: k_cache", 4);
+  check_bf16_cpu(v_cache, "decode_attention: v_cache", 4);
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3), KV = k_cache.size(1), T = k_cache.size(2);
+  TORCH_CHECK(q.size(1) == 1 && KV > 0 && H % KV == 0 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
+              k_cache.size(3) == D, "decode_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes());
+  TORCH_CHECK(length > 0 && length <= T, "decode_attention: length ", length, " outside a cache of ", T);
+  at::Tensor y = at::empty({B, 1, H * D}, q.options());
+  const auto* qp = static_cast<const c10::BFloat16*>(q.data_ptr());
+  const auto* kc = static_cast<const c10::BFloat16*>(k_cache.data_ptr());
+  const auto* vc = static_cast<const c10::BFloat16*>(v_cache.data_ptr());
+  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t group = H / KV;
+  const float scale = 1.0f / std::sqrt(float(D));
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(D), out(D), scores(length + 16);
+    for (int64_t bh = begin; bh < end; bh++) {
+      const int64_t kv = (bh / H) * KV + (bh % H) / group;
+      const c10::BFloat16 *keys = kc + kv * T * D, *values = vc + kv * T * D;
+      for (int64_t d = 0; d < D; d++) query[d] = float(qp[bh * D + d]) * scale;
+      float top = -INFINITY;
+      for (int64_t s = 0; s < length; s++) top = std::max(top, scores[s] = dot_q_k(query.data(), keys + s * D, D));
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t s = 0; s < length; s += 16) {
+        const __mmask16 m = first(length - s);
+        const __m512 p = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top))));
+        _mm512_storeu_ps(scores.data() + s, p);
+        sums = _mm512_add_ps(sums, p);
+      }
+      std::fill(out.begin(), out.end(), 0.0f);
+      for (int64_t s = 0; s < length; s++) add_scaled(out.data(), scores[s], values + s * D, D);
+      const float total = _mm512_reduce_add_ps(sums);
+      for (int64_t d = 0; d < D; d++) yp[bh * D + d] = c10::BFloat16(out[d] / total);
+    }
+  });
+  return y;
+}
+
+// bf16(silu(gate)) * up for x = [gate | up] along the last dimension, rounded as the reference rounds
+at::Tensor silu_mul_bf16(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1 &&
+              x.size(-1) % 2 == 0, "silu_mul: x must be a contiguous bfloat16 CPU tensor of even width");
+  const int64_t F = x.size(-1) / 2, rows = F ? x.numel() / (2 * F) : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = F;
+  at::Tensor y = at::empty(shape, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const uint16_t *gate = xp + i * 2 * F, *up = gate + F;
+      for (int64_t f = 0; f < F; f += 16) {
+        const __mmask16 m = first(F - f);
+        const __m512 g = bf16_to_float(_mm256_maskz_loadu_epi16(m, gate + f));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 product = _mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu)), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
+        _mm256_mask_storeu_epi16(yp + i * F + f, m, (__m256i)_mm512_cvtneps_pbh(product));
+      }
+    }
+  });
+  return y;
+}
+
+bool cpu_supported() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+
+}  // namespace
+
+TORCH_LIBRARY(lmstack, m) {
+  m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
+  m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
+  m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor", rms_norm_bf16);
+  m.def("rope_into_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor",
+        rope_into_cache_bf16);
+  m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention_bf16);
+  m.def("silu_mul_bf16(Tensor x) -> Tensor", silu_mul_bf16);
+  m.def("cpu_supported() -> bool", cpu_supported);
+}

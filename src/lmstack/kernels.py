@@ -1,0 +1,80 @@
+"""lmstack's own CPU kernels (kernels.cpp), for decoding on x86 CPUs with AVX512-BF16.
+
+Decoding one token reads every weight once, through many small operators. For one row of input
+PyTorch's CPU kernels read weights at 25-35 GB/s (oneDNN's packed bfloat16, torch._weight_int8pack_mm),
+well under what the memory delivers, and eager PyTorch spends ~15 us on an RMSNorm of one row and ~30 us
+on rotary embedding, cache writes and attention per layer. kernels.cpp does each in one call: matvec for
+bfloat16 and int8 weights, RMSNorm, rotary with the cache write, one-query attention and silu(gate) * up
+(bench/decode.py shows the whole-model effect).
+
+It is compiled on first use with torch.utils.cpp_extension (a few seconds, then cached). Without a
+compiler, on other CPUs, or with LMSTACK_KERNELS=0, the callers use PyTorch's operators instead.
+"""
+
+import functools
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+KERNEL_ROWS = 8  # up to this many rows of input (decode, small batches); more rows are a matmul's job
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and this CPU can run them (built once per machine, on first call)."""
+    if os.environ.get("LMSTACK_KERNELS", "1") == "0":
+        return False
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="lmstack_kernels", sources=[str(Path(__file__).with_name("kernels.cpp"))],
+                           extra_cflags=FLAGS, is_python_module=False)
+    except Exception as error:  # no compiler or ninja, or an old PyTorch: PyTorch's operators still work
+        warnings.warn(f"lmstack's CPU kernels could not be built, using PyTorch's operators: {error}", stacklevel=2)
+        return False
+    return torch.ops.lmstack.cpu_supported()
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the bfloat16 kernels (RMSNorm, attention) can take these tensors."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and available()
+
+
+def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for up to KERNEL_ROWS rows of x, all bfloat16."""
+    y = torch.ops.lmstack.matvec_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], -1)
+
+
+def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """(x @ weight.T) * scales + bias for int8 weights with float32 scales; x bfloat16 or float32."""
+    y = torch.ops.lmstack.matvec_int8(x.reshape(-1, x.shape[-1]), weight, scales, bias)
+    return y.view(*x.shape[:-1], -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dimension of a contiguous bfloat16 x."""
+    return torch.ops.lmstack.rms_norm_bf16(x, weight, eps)
+
+
+def rope_into_cache(qkv, cos, sin, k_cache, v_cache, start: int) -> torch.Tensor:
+    """Rotary on the q and k heads of qkv (B, L, H + 2 KV, D); k and v written into the caches at slots
+    start..start+L-1; returns the rotated q heads (B, L, H, D)."""
+    return torch.ops.lmstack.rope_into_cache_bf16(qkv, cos, sin, k_cache, v_cache, start)
+
+
+def decode_attention(q, k_cache, v_cache, length: int) -> torch.Tensor:
+    """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D)."""
+    return torch.ops.lmstack.decode_attention_bf16(q, k_cache, v_cache, length)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    return torch.ops.lmstack.silu_mul_bf16(gate_up)

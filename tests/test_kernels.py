@@ -1,0 +1,160 @@
+"""lmstack's CPU kernels against the PyTorch operators they stand in for, on awkward shapes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack import CausalLM, kernels
+from lmstack.formats import MatvecLinear, PackedLinear
+from lmstack.rope import apply_rotary
+
+
+def cpu_has_avx512_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512_bf16" in cpuinfo.read_text()
+
+
+def test_kernels_run_wherever_the_cpu_can():
+    """On a CPU with AVX512-BF16 a failed build must fail here, not fall back unnoticed."""
+    if not cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: PyTorch's operators run instead")
+    assert kernels.available()
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels cannot run here")
+generator = torch.Generator().manual_seed(0)
+
+
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def assert_rounded_once(out, exact):
+    """out is exact (float64) rounded to out's dtype, give or take float32 summation order."""
+    scale = float(exact.abs().max())
+    tolerance = exact.abs() * (2**-8 if out.dtype == torch.bfloat16 else 2**-20) + scale * 1e-6
+    assert ((out.double() - exact).abs() <= tolerance).all(), float((out.double() - exact).abs().max())
+
+
+SHAPES = [(1, 960, 576), (3, 13, 37), (8, 7, 100), (2, 5, 1), (1, 9, 33)]  # (rows of x, out, in)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matvec_bf16(m, n, k, with_bias):
+    x, w, b = randn(m, k), randn(n, k), randn(n) if with_bias else None
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    out = kernels.matvec_bf16(x, w, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert_rounded_once(out, exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matvec_int8(m, n, k, dtype):
+    x, b = randn(m, k, dtype=dtype), randn(n, dtype=dtype)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, generator=generator) / 100
+    exact = (x.double() @ w.double().T) * scales.double() + b.double()
+    out = kernels.matvec_int8(x, w, scales, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_rounded_once(out, exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 24), (5, 1)])
+def test_rms_norm_rounds_as_the_reference(shape):
+    x, w = randn(*shape) * 3, randn(shape[-1])
+    reference = w * F.rms_norm(x.float(), w.shape, eps=1e-5).to(torch.bfloat16)
+    out = kernels.rms_norm(x, w, 1e-5)
+    # only the order of the float32 sum of squares differs: a rare one-ulp difference at most
+    assert (out == reference).float().mean() > 0.98
+    torch.testing.assert_close(out, reference, rtol=2**-7, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_into_cache_equals_rotary_and_cache_writes(head_dim):
+    B, L, H, KV, T, start = 2, 3, 6, 2, 10, 4
+    qkv = randn(B, L, H + 2 * KV, head_dim)
+    angles = torch.rand(B, L, 1, head_dim, generator=generator) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    k_cache, v_cache = randn(B, KV, T, head_dim), randn(B, KV, T, head_dim)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    rotated = apply_rotary(qkv[:, :, :H + KV], cos, sin)
+    expected_k[:, :, start:start + L] = rotated[:, :, H:].transpose(1, 2)
+    expected_v[:, :, start:start + L] = qkv[:, :, H + KV:].transpose(1, 2)
+
+    q = kernels.rope_into_cache(qkv, cos, sin, k_cache, v_cache, start)
+    assert torch.equal(q, rotated[:, :, :H])  # the reference's bf16 roundings, bit for bit
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, head_dim, length", [(6, 2, 64, 1), (6, 2, 24, 17), (4, 4, 32, 40),
+                                                               (3, 1, 64, 200)])
+def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length):
+    B, T = 2, 210
+    q = randn(B, 1, heads, head_dim)
+    k_cache, v_cache = randn(B, kv_heads, T, head_dim) * 2, randn(B, kv_heads, T, head_dim)
+    k, v = k_cache[:, :, :length].double(), v_cache[:, :, :length].double()
+    exact = F.scaled_dot_product_attention(q.double().transpose(1, 2), k, v, enable_gqa=heads != kv_heads)
+    out = kernels.decode_attention(q, k_cache, v_cache, length)
+    assert out.shape == (B, 1, heads * head_dim)
+    assert_rounded_once(out, exact.transpose(1, 2).reshape(B, 1, -1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (3, 2, 2 * 37)])
+def test_silu_mul_rounds_as_the_reference(shape):
+    gate_up = randn(*shape) * 4
+    gate_up.view(-1)[:4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    reference = F.silu(gate) * up
+    out = kernels.silu_mul(gate_up)
+    assert (out == reference).float().mean() > 0.98  # exp within an ulp of PyTorch's: a rare rounding flip
+    torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-30)
+
+
+@needs_kernels
+def test_bad_operands_are_refused_by_name():
+    with pytest.raises(RuntimeError, match="x has 5 columns, w has 6"):
+        kernels.matvec_bf16(randn(1, 5), randn(3, 6), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous vector of 3"):
+        kernels.matvec_bf16(randn(1, 6), randn(3, 6), randn(4))
+    with pytest.raises(RuntimeError, match="w must be int8"):
+        kernels.matvec_int8(randn(1, 6), randn(3, 6), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16 vector of 8"):
+        kernels.rms_norm(randn(2, 8), randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="slots 9..11 outside a cache of 10"):
+        kernels.rope_into_cache(randn(1, 2, 4, 8), randn(1, 2, 1, 8), randn(1, 2, 1, 8), randn(1, 1, 10, 8),
+                                randn(1, 1, 10, 8), 9)
+    with pytest.raises(RuntimeError, match="length 11 outside a cache of 10"):
+        kernels.decode_attention(randn(1, 1, 2, 8), randn(1, 1, 10, 8), randn(1, 1, 10, 8), 11)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "llama_tied_gqa"])
+def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, monkeypatch, variant):
+    """The kernels and PyTorch's operators differ only in float32 summation order."""
+    path, _ = tiny_checkpoint(variant)
+    ids = torch.randint(0, 256, (2, 9), generator=generator)
+
+    def decode(lm):
+        state = lm.allocate_state(2, 16)
+        steps = [lm.forward(ids, state)[:, -1]] + [lm.step(ids[:, i:i + 1], state).reshape(2, -1) for i in range(4)]
+        return torch.stack(steps).float()
+
+    fast = CausalLM.load(path, weight_format="bfloat16", device="cpu")
+    with_kernels = decode(fast)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    plain = CausalLM.load(path, weight_format="bfloat16", device="cpu")
+    assert isinstance(fast.blocks[0].mlp.down, MatvecLinear) and isinstance(plain.blocks[0].mlp.down, PackedLinear)
+    without = decode(plain)
+    delta = float((with_kernels - without).abs().max() / without.abs().max())
+    print(f"{variant}: max |delta logit| / scale with and without the kernels = {delta:.3g}")
+    assert delta < 0.03
