@@ -60,7 +60,9 @@ def test_matvec_int8(m, n, k, dtype):
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
     scales = torch.rand(n, generator=generator) / 100
     exact = (x.double() @ w.double().T) * scales.double() + b.double()
-    out = kernels.matvec_int8(x, w, scales, b)
+    tiled = kernels.tile_int8(w)
+    assert torch.equal(kernels.untile_int8(tiled, n, k), w)
+    out = kernels.matvec_int8(x, tiled, scales, b)
     assert out.shape == (m, n) and out.dtype == dtype
     assert_rounded_once(out, exact)
 
@@ -126,8 +128,8 @@ def test_bad_operands_are_refused_by_name():
         kernels.matvec_bf16(randn(1, 5), randn(3, 6), None)
     with pytest.raises(RuntimeError, match="bias must be a contiguous vector of 3"):
         kernels.matvec_bf16(randn(1, 6), randn(3, 6), randn(4))
-    with pytest.raises(RuntimeError, match="w must be int8"):
-        kernels.matvec_int8(randn(1, 6), randn(3, 6), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match=r"w must be int8 tiled as \(1, 1, 8, 32\)"):
+        kernels.matvec_int8(randn(1, 6), torch.zeros(3, 6, dtype=torch.int8), torch.ones(3), None)
     with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16 vector of 8"):
         kernels.rms_norm(randn(2, 8), randn(7), 1e-5)
     with pytest.raises(RuntimeError, match="slots 9..11 outside a cache of 10"):

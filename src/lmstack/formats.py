@@ -84,20 +84,25 @@ class PackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Symmetric per-output-channel int8: w ~= q * scale, |q| <= 127."""
+    """Symmetric per-output-channel int8: w ~= q * scale, |q| <= 127.
+
+    With lmstack's kernels q is stored tiled (kernels.tile_int8), else as the (out, in) matrix.
+    """
 
     def __init__(self, linear: nn.Linear, compute: torch.dtype):
         super().__init__()
         w = linear.weight.detach().float()
+        self.shape = tuple(w.shape)
         # rounded to the compute dtype first, so each weight lands within half a step of the stored scale
         absmax = torch.maximum(w.amax(dim=1), -w.amin(dim=1))
         self.scales = (absmax / 127).clamp(min=torch.finfo(compute).tiny).to(compute).float()
         q = w / self.scales[:, None]  # the one full-size temporary: a load stays lean
-        self.weight = q.round_().clamp_(-127, 127).to(torch.int8)
+        q = q.round_().clamp_(-127, 127).to(torch.int8)
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
-        on_cpu = self.weight.device.type == "cpu"
+        on_cpu = q.device.type == "cpu"
         self.kernel = on_cpu and kernels.available()
-        self.packed_kernel = on_cpu and compute == torch.bfloat16  # PyTorch's, where lmstack's cannot run
+        self.packed_kernel = on_cpu and compute == torch.bfloat16 and not self.kernel  # PyTorch's, else
+        self.weight = kernels.tile_int8(q) if self.kernel else q
 
     def forward(self, x):
         rows = _rows(x)
@@ -107,11 +112,14 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
         else:  # many rows (a prefill): dequantizing once for a dense matmul beats the few-row kernels
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+            y = F.linear(x, self._matrix().to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def _matrix(self) -> torch.Tensor:
+        return kernels.untile_int8(self.weight, *self.shape) if self.kernel else self.weight
+
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.float() * self.scales[:, None]
+        return self._matrix().float() * self.scales[:, None]
 
 
 class Int4Linear(nn.Module):

@@ -3,6 +3,9 @@
 // matvec_*: y = x @ w.T (+ bias) for a few rows of x. Decoding reads every weight once per token, so
 // these make one pass over w, TILE rows at a time (each load of x serves TILE dot products), and split
 // the tiles over PyTorch's threads. Sums are float32; each output is rounded once, after scale and bias.
+// int8 weights are stored tile by tile (tile_int8 in kernels.py), so that each thread reads one
+// sequential stream, prefetched ahead: rows of a few hundred bytes read row-wise leave the hardware
+// prefetcher idle.
 // rms_norm, rope_into_cache, decode_attention and silu_mul (bfloat16): what eager PyTorch spends a dozen
 // small operators on, in one call, rounding to bfloat16 where the reference does.
 #include <ATen/Parallel.h>
@@ -60,26 +63,23 @@ __attribute__((always_inline)) inline void dot_bf16(const uint16_t* x, const uin
 
 inline __m512 int8_to_float(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
-// dot products of one float32 row x with ROWS int8 rows of w; two accumulators per row hide the latency
-template <int ROWS>
-__attribute__((always_inline)) inline void dot_int8(const float* x, const int8_t* w, int64_t K, float* out) {
-  __m512 even[ROWS], odd[ROWS];
-  for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-    for (int r = 0; r < ROWS; r++) {
-      even[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(w + r * K + k))), x0, even[r]);
-      odd[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(w + r * K + k + 16))), x1, odd[r]);
+constexpr int64_t INT8_PREFETCH = 4096;  // bytes ahead of the int8 tile being read
+
+// dot products of one float32 row x (K32 * 32 long) with the TILE rows of one int8 tile
+// (K32 blocks of TILE x 32 weights); two accumulators per row hide the latency
+__attribute__((always_inline)) inline void dot_int8_tile(const float* x, const int8_t* tile, int64_t K32, float* out) {
+  __m512 even[TILE], odd[TILE];
+  for (int r = 0; r < TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K32; k++, tile += TILE * 32) {
+    for (int64_t line = 0; line < TILE * 32; line += 64) _mm_prefetch((const char*)(tile + INT8_PREFETCH + line), _MM_HINT_T0);
+    const __m512 x0 = _mm512_loadu_ps(x + k * 32), x1 = _mm512_loadu_ps(x + k * 32 + 16);
+    for (int r = 0; r < TILE; r++) {
+      even[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(tile + r * 32))), x0, even[r]);
+      odd[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(tile + r * 32 + 16))), x1, odd[r]);
     }
   }
-  for (; k < K; k += 16) {
-    const __mmask16 m = (__mmask16)((1u << std::min<int64_t>(16, K - k)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < ROWS; r++) even[r] = _mm512_fmadd_ps(int8_to_float(_mm_maskz_loadu_epi8(m, w + r * K + k)), xv, even[r]);
-  }
-  for (int r = 0; r < ROWS; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
-  store_sums<ROWS>(even, out);
+  for (int r = 0; r < TILE; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
+  store_sums<TILE>(even, out);
 }
 
 // The TILE-row tiles of w split over PyTorch's threads: rows(n0, n1) computes outputs n0..n1-1.
@@ -105,16 +105,16 @@ void rows_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64
   }
 }
 
-// y[:, n0:n1] = (x @ w[n0:n1].T) * scales + bias for float32 x (M x K), int8 w, y and bias of type T
+// y[:, n0:n1] = (x @ w[n0:n1].T) * scales + bias for float32 x (M x K32 * 32, zero-padded), tiled int8 w,
+// y and bias of type T
 template <typename T>
-void rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const float* scales, const T* bias,
+void rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K32, const float* scales, const T* bias,
                T* y, int64_t n0, int64_t n1) {
   float sums[TILE];
   for (int64_t n = n0; n < n1; n += TILE) {
     const int64_t rows = std::min(TILE, n1 - n);
     for (int64_t m = 0; m < M; m++) {
-      if (rows == TILE) dot_int8<TILE>(x + m * K, w + n * K, K, sums);
-      else for (int64_t r = 0; r < rows; r++) dot_int8<1>(x + m * K, w + (n + r) * K, K, sums + r);
+      dot_int8_tile(x + m * K32 * 32, w + n * K32 * 32, K32, sums);
       for (int64_t r = 0; r < rows; r++) {
         const float scaled = sums[r] * scales[n + r];
         y[m * N + n + r] = T(bias ? scaled + float(bias[n + r]) : scaled);
@@ -148,22 +148,31 @@ at::Tensor matvec_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
 
 template <typename T>
 void matvec_int8_as(const at::Tensor& x, const at::Tensor& w, const float* scales, const T* bias, at::Tensor& y) {
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), K32 = w.size(1);
   const T* xp = static_cast<const T*>(x.data_ptr());
-  std::vector<float> xf(xp, xp + M * K);  // float32 copies of the few rows of x
+  std::vector<float> xf(M * K32 * 32, 0.0f);  // float32 copies of the few rows of x, zero-padded as w is
+  for (int64_t m = 0; m < M; m++) std::copy(xp + m * K, xp + (m + 1) * K, xf.begin() + m * K32 * 32);
   const auto* wp = static_cast<const int8_t*>(w.data_ptr());
   T* yp = static_cast<T*>(y.data_ptr());
-  split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_int8<T>(xf.data(), M, wp, N, K, scales, bias, yp, n0, n1); });
+  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_int8<T>(xf.data(), M, wp, N, K32, scales, bias, yp, n0, n1); });
 }
 
-// int8 weights with a float32 scale per output row, x in bfloat16 or float32 (y and bias in x's dtype)
+// int8 weights tiled as (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded, with a float32 scale per
+// output row; x (M, K) in bfloat16 or float32 (y and bias in x's dtype)
 at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  check_operands(x, w, bias, x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == at::kChar, "matvec_int8: w must be int8");
-  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.size(0) == w.size(0) &&
-              scales.scalar_type() == at::kFloat, "matvec_int8: scales must be a contiguous float32 vector of ", w.size(0));
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "matvec_int8: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "matvec_int8: scales must be a contiguous float32 vector");
+  const int64_t N = scales.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + TILE - 1) / TILE &&
+              w.size(1) == (K + 31) / 32 && w.size(2) == TILE && w.size(3) == 32,
+              "matvec_int8: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE, ", 32), got ",
+              w.sizes());
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+                "matvec_int8: bias must be a contiguous vector of ", N, " ", x.scalar_type());
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
   const auto* sp = static_cast<const float*>(scales.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {
     const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;

@@ -19,8 +19,10 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 KERNEL_ROWS = 8  # up to this many rows of input (decode, small batches); more rows are a matmul's job
+TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
@@ -53,8 +55,20 @@ def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], -1)
 
 
+def tile_int8(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8 reads."""
+    n, k = q.shape
+    padded = F.pad(q, (0, -k % 32, 0, -n % TILE))
+    return padded.view(padded.shape[0] // TILE, TILE, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
+
+
+def untile_int8(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The (n, k) matrix tile_int8 stored."""
+    return tiled.transpose(1, 2).reshape(tiled.shape[0] * TILE, -1)[:n, :k]
+
+
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """(x @ weight.T) * scales + bias for int8 weights with float32 scales; x bfloat16 or float32."""
+    """(x @ w.T) * scales + bias for w = untile_int8(weight) with float32 scales; x bfloat16 or float32."""
     y = torch.ops.lmstack.matvec_int8(x.reshape(-1, x.shape[-1]), weight, scales, bias)
     return y.view(*x.shape[:-1], -1)
 
