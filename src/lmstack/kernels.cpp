@@ -24,6 +24,13 @@ namespace {
 constexpr int64_t TILE = 8;
 constexpr int64_t TASK_WEIGHTS = 1 << 15;  // fewer weights than this per thread: not worth a thread
 
+inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// round to nearest even, as c10::BFloat16 does (but flushing denormals to zero)
+inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
+inline __mmask16 first(int64_t n) { return (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
+
 // the four sums of a[0..3]; a tile's cost is mostly its loads, so its reduction must stay cheap
 inline __m128 sum4(const __m512* a) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
@@ -193,17 +200,24 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "rms_norm_bf16: weight must be a contiguous bfloat16 vector of ", D);
   at::Tensor y = at::empty(x.sizes(), x.options());
-  const auto* xp = static_cast<const c10::BFloat16*>(x.data_ptr());
-  const auto* wp = static_cast<const c10::BFloat16*>(w.data_ptr());
-  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) {
-      const c10::BFloat16* row = xp + i * D;
-      float squares = 0;
-      for (int64_t d = 0; d < D; d++) squares += float(row[d]) * float(row[d]);
-      const float scale = 1.0f / std::sqrt(squares / D + float(eps));
-      for (int64_t d = 0; d < D; d++)
-        yp[i * D + d] = c10::BFloat16(float(wp[d]) * float(c10::BFloat16(float(row[d]) * scale)));
+      const uint16_t* row = xp + i * D;
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), row + d));
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = first(D - d);
+        const __m512 normed = round_bf16(_mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, row + d)), scale));
+        const __m512 scaled = _mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, wp + d)), normed);
+        _mm256_mask_storeu_epi16(yp + i * D + d, m, (__m256i)_mm512_cvtneps_pbh(scaled));
+      }
     }
   });
   return y;
@@ -273,10 +287,6 @@ inline __m512 exp_ps(__m512 x) {
   for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
-
-inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-inline __mmask16 first(int64_t n) { return (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
 
 // q . k for a float32 q and a bfloat16 k of length D
 inline float dot_q_k(const float* q, const c10::BFloat16* k, int64_t D) {
@@ -356,7 +366,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& x) {
         const __mmask16 m = first(F - f);
         const __m512 g = bf16_to_float(_mm256_maskz_loadu_epi16(m, gate + f));
         const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        const __m512 product = _mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu)), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
+        const __m512 product = _mm512_mul_ps(round_bf16(silu), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
         _mm256_mask_storeu_epi16(yp + i * F + f, m, (__m256i)_mm512_cvtneps_pbh(product));
       }
     }
