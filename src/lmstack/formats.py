@@ -10,9 +10,9 @@
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel). Only the four projection matrices of each block are quantized:
 the embedding table, the norms and the head keep the profile's floating-point type. Where lmstack's
-kernels cannot run (kernels.py), bfloat16 is oneDNN-packed and int8 few-row products use
-torch._weight_int8pack_mm. Off CPU, float32 and bfloat16 are plain nn.Linear. A profile other than a
-format's default dequantizes per call (bfloat16 weights, fp32 profile): exact arithmetic, slower.
+kernels cannot run (kernels.py), bfloat16 is oneDNN-packed, int8 few-row products use
+torch._weight_int8pack_mm (bf16 profile) or dequantize per call (fp32). Off CPU, float32 and bfloat16
+are plain nn.Linear. bfloat16 weights in the fp32 profile are upcast per call: exact arithmetic, slower.
 """
 
 import torch
@@ -29,10 +29,6 @@ QUANTIZED = ("int8", "int4")
 PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
 INT4_GROUP = 32
 FAST_INT8_ROWS = 16  # up to this many rows torch._weight_int8pack_mm beats a dequantized matmul on CPU
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -105,7 +101,7 @@ class Int8Linear(nn.Module):
         self.weight = kernels.tile_int8(q) if self.kernel else q
 
     def forward(self, x):
-        rows = _rows(x)
+        rows = x.numel() // x.shape[-1]
         if self.kernel and rows <= kernels.KERNEL_ROWS:
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
         if self.packed_kernel and rows <= FAST_INT8_ROWS:
@@ -161,7 +157,7 @@ class MatvecLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
-        if _rows(x) <= kernels.KERNEL_ROWS:
+        if x.numel() <= kernels.KERNEL_ROWS * self.weight.shape[1]:
             return kernels.matvec_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -130,21 +130,29 @@ void rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K3
   }
 }
 
+// x's shape with n in place of its last dimension
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
 void check_operands(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                     at::ScalarType bias_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "matvec: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvec: x must be a CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "matvec: w must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.size(1) == w.size(1), "matvec: x has ", x.size(1), " columns, w has ", w.size(1));
+  TORCH_CHECK(x.size(-1) == w.size(1), "matvec: x has ", x.size(-1), " columns, w has ", w.size(1));
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == w.size(0) &&
                 bias->scalar_type() == bias_dtype, "matvec: bias must be a contiguous vector of ", w.size(0), " ", bias_dtype);
 }
 
-at::Tensor matvec_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor matvec_bf16(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_.contiguous();
   check_operands(x, w, bias, at::kBFloat16);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "matvec_bf16: x and w must be bfloat16");
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t N = w.size(0), K = w.size(1), M = K ? x.numel() / K : 0;
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
@@ -155,7 +163,7 @@ at::Tensor matvec_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
 
 template <typename T>
 void matvec_int8_as(const at::Tensor& x, const at::Tensor& w, const float* scales, const T* bias, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), K32 = w.size(1);
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = y.size(-1), K32 = w.size(1);
   const T* xp = static_cast<const T*>(x.data_ptr());
   std::vector<float> xf(M * K32 * 32, 0.0f);  // float32 copies of the few rows of x, zero-padded as w is
   for (int64_t m = 0; m < M; m++) std::copy(xp + m * K, xp + (m + 1) * K, xf.begin() + m * K32 * 32);
@@ -166,12 +174,13 @@ void matvec_int8_as(const at::Tensor& x, const at::Tensor& w, const float* scale
 
 // int8 weights tiled as (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded, with a float32 scale per
 // output row; x (M, K) in bfloat16 or float32 (y and bias in x's dtype)
-at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+at::Tensor matvec_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "matvec_int8: x must be a contiguous 2-D CPU tensor");
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvec_int8: x must be a CPU tensor");
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "matvec_int8: scales must be a contiguous float32 vector");
-  const int64_t N = scales.size(0), K = x.size(1);
+  const int64_t N = scales.size(0), K = x.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + TILE - 1) / TILE &&
               w.size(1) == (K + 31) / 32 && w.size(2) == TILE && w.size(3) == 32,
               "matvec_int8: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE, ", 32), got ",
@@ -179,7 +188,7 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
                 "matvec_int8: bias must be a contiguous vector of ", N, " ", x.scalar_type());
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* sp = static_cast<const float*>(scales.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {
     const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
@@ -193,9 +202,10 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)) for every row of x (bfloat16)
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
-              "rms_norm_bf16: x must be a contiguous bfloat16 CPU tensor");
+at::Tensor rms_norm_bf16(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
+              "rms_norm_bf16: x must be a bfloat16 CPU tensor");
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "rms_norm_bf16: weight must be a contiguous bfloat16 vector of ", D);
@@ -354,9 +364,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1 &&
               x.size(-1) % 2 == 0, "silu_mul: x must be a contiguous bfloat16 CPU tensor of even width");
   const int64_t F = x.size(-1) / 2, rows = F ? x.numel() / (2 * F) : 0;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = F;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = at::empty(out_shape(x, F), x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {

@@ -44,15 +44,14 @@ def available() -> bool:
     return torch.ops.lmstack.cpu_supported()
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the bfloat16 kernels (RMSNorm, attention) can take these tensors."""
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and available()
+def usable(x: torch.Tensor) -> bool:
+    """Whether the bfloat16 kernels (RMSNorm, attention, silu * up) run on the activations x."""
+    return x.dtype == torch.bfloat16 and x.is_cpu and available()
 
 
 def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for up to KERNEL_ROWS rows of x, all bfloat16."""
-    y = torch.ops.lmstack.matvec_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
-    return y.view(*x.shape[:-1], -1)
+    return torch.ops.lmstack.matvec_bf16(x, weight, bias)
 
 
 def tile_int8(q: torch.Tensor) -> torch.Tensor:
@@ -68,13 +67,13 @@ def untile_int8(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """(x @ w.T) * scales + bias for w = untile_int8(weight) with float32 scales; x bfloat16 or float32."""
-    y = torch.ops.lmstack.matvec_int8(x.reshape(-1, x.shape[-1]), weight, scales, bias)
-    return y.view(*x.shape[:-1], -1)
+    """(x @ w.T) * scales + bias for w = untile_int8(weight) with float32 scales; x in
+    bfloat16 or float32."""
+    return torch.ops.lmstack.matvec_int8(x, weight, scales, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dimension of a contiguous bfloat16 x."""
+    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dimension of x, all bfloat16."""
     return torch.ops.lmstack.rms_norm_bf16(x, weight, eps)
 
 

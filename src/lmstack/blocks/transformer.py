@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_contiguous() and kernels.usable(x, self.weight):
+        if self.weight.dtype == x.dtype and kernels.usable(x):  # (Mamba keeps a float32 weight)
             return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV]), qkv[:, :, H + KV:]), dim=2)
         mask = ctx.masks[self.window]
-        if cache is not None and kernels.usable(qkv, cache.k):
+        if cache is not None and kernels.usable(qkv):
             q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
             end = ctx.start + L
             if L == 1 and mask is None:
