@@ -335,7 +335,8 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t group = H / KV;
   const float scale = 1.0f / std::sqrt(float(D));
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  // a short context is done faster by one thread than split
+  at::parallel_for(0, B * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (length * D)), [&](int64_t begin, int64_t end) {
     std::vector<float> query(D), out(D), scores(length + 16);
     for (int64_t bh = begin; bh < end; bh++) {
       const int64_t kv = (bh / H) * KV + (bh % H) / group;
