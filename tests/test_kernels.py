@@ -126,7 +126,7 @@ def test_silu_mul_rounds_as_the_reference(shape):
 def test_bad_operands_are_refused_by_name():
     with pytest.raises(RuntimeError, match="x has 5 columns, w has 6"):
         kernels.matvec_bf16(randn(1, 5), randn(3, 6), None)
-    with pytest.raises(RuntimeError, match="bias must be a contiguous vector of 3"):
+    with pytest.raises(RuntimeError, match="bias must be a contiguous bfloat16 vector of 3"):
         kernels.matvec_bf16(randn(1, 6), randn(3, 6), randn(4))
     with pytest.raises(RuntimeError, match=r"w must be int8 tiled as \(1, 1, 8, 32\)"):
         kernels.matvec_int8(randn(1, 6), torch.zeros(3, 6, dtype=torch.int8), torch.ones(3), None)

@@ -11,12 +11,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <cmath>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -37,15 +37,18 @@ inline __m128 sum4(const __m512* a) {
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
   const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
                                     _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  const __m256 half =
+      _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
 // out[0..ROWS) = sums of acc; ROWS is 1 or a multiple of 4
 template <int ROWS>
 inline void store_sums(const __m512* acc, float* out) {
-  if constexpr (ROWS == 1) out[0] = _mm512_reduce_add_ps(acc[0]);
-  else for (int r = 0; r < ROWS; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
+  if constexpr (ROWS == 1)
+    out[0] = _mm512_reduce_add_ps(acc[0]);
+  else
+    for (int r = 0; r < ROWS; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
 // dot products of one bf16 row x with ROWS bf16 rows of w (row stride K)
@@ -56,8 +59,7 @@ __attribute__((always_inline)) inline void dot_bf16(const uint16_t* x, const uin
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int r = 0; r < ROWS; r++)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
   }
   if (k < K) {
     const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
@@ -78,7 +80,8 @@ __attribute__((always_inline)) inline void dot_int8_tile(const float* x, const i
   __m512 even[TILE], odd[TILE];
   for (int r = 0; r < TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K32; k++, tile += TILE * 32) {
-    for (int64_t line = 0; line < TILE * 32; line += 64) _mm_prefetch((const char*)(tile + INT8_PREFETCH + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < TILE * 32; line += 64)
+      _mm_prefetch((const char*)(tile + INT8_PREFETCH + line), _MM_HINT_T0);
     const __m512 x0 = _mm512_loadu_ps(x + k * 32), x1 = _mm512_loadu_ps(x + k * 32 + 16);
     for (int r = 0; r < TILE; r++) {
       even[r] = _mm512_fmadd_ps(int8_to_float(_mm_loadu_si128((const __m128i*)(tile + r * 32))), x0, even[r]);
@@ -93,9 +96,8 @@ __attribute__((always_inline)) inline void dot_int8_tile(const float* x, const i
 template <typename Rows>
 void split_rows(int64_t N, int64_t K, const Rows& rows) {
   const int64_t tiles = (N + TILE - 1) / TILE;
-  at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * K)), [&](int64_t begin, int64_t end) {
-    rows(begin * TILE, std::min(N, end * TILE));
-  });
+  at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * K)),
+                   [&](int64_t begin, int64_t end) { rows(begin * TILE, std::min(N, end * TILE)); });
 }
 
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), w and bias
@@ -105,9 +107,12 @@ void rows_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64
   for (int64_t n = n0; n < n1; n += TILE) {
     const int64_t rows = std::min(TILE, n1 - n);
     for (int64_t m = 0; m < M; m++) {
-      if (rows == TILE) dot_bf16<TILE>(x + m * K, w + n * K, K, sums);
-      else for (int64_t r = 0; r < rows; r++) dot_bf16<1>(x + m * K, w + (n + r) * K, K, sums + r);
-      for (int64_t r = 0; r < rows; r++) y[m * N + n + r] = c10::BFloat16(bias ? sums[r] + float(bias[n + r]) : sums[r]);
+      if (rows == TILE)
+        dot_bf16<TILE>(x + m * K, w + n * K, K, sums);
+      else
+        for (int64_t r = 0; r < rows; r++) dot_bf16<1>(x + m * K, w + (n + r) * K, K, sums + r);
+      for (int64_t r = 0; r < rows; r++)
+        y[m * N + n + r] = c10::BFloat16(bias ? sums[r] + float(bias[n + r]) : sums[r]);
     }
   }
 }
@@ -137,20 +142,18 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return shape;
 }
 
-void check_operands(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                    at::ScalarType bias_dtype) {
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvec: x must be a CPU tensor");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "matvec: w must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.size(-1) == w.size(1), "matvec: x has ", x.size(-1), " columns, w has ", w.size(1));
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == w.size(0) &&
-                bias->scalar_type() == bias_dtype, "matvec: bias must be a contiguous vector of ", w.size(0), " ", bias_dtype);
-}
-
 at::Tensor matvec_bf16(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const at::Tensor x = x_.contiguous();
-  check_operands(x, w, bias, at::kBFloat16);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "matvec_bf16: x and w must be bfloat16");
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvec: x must be a CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+              "matvec: w must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.size(-1) == w.size(1), "matvec: x has ", x.size(-1), " columns, w has ", w.size(1));
+  if (bias.has_value())
+    TORCH_CHECK(
+        bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == w.size(0) && bias->scalar_type() == at::kBFloat16,
+        "matvec: bias must be a contiguous bfloat16 vector of ", w.size(0));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "matvec_bf16: x and w must be bfloat16");
   const int64_t N = w.size(0), K = w.size(1), M = K ? x.numel() / K : 0;
   at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
@@ -169,7 +172,8 @@ void matvec_int8_as(const at::Tensor& x, const at::Tensor& w, const float* scale
   for (int64_t m = 0; m < M; m++) std::copy(xp + m * K, xp + (m + 1) * K, xf.begin() + m * K32 * 32);
   const auto* wp = static_cast<const int8_t*>(w.data_ptr());
   T* yp = static_cast<T*>(y.data_ptr());
-  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_int8<T>(xf.data(), M, wp, N, K32, scales, bias, yp, n0, n1); });
+  split_rows(N, K32 * 32,
+             [&](int64_t n0, int64_t n1) { rows_int8<T>(xf.data(), M, wp, N, K32, scales, bias, yp, n0, n1); });
 }
 
 // int8 weights tiled as (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded, with a float32 scale per
@@ -182,12 +186,13 @@ at::Tensor matvec_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
               "matvec_int8: scales must be a contiguous float32 vector");
   const int64_t N = scales.size(0), K = x.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + TILE - 1) / TILE &&
-              w.size(1) == (K + 31) / 32 && w.size(2) == TILE && w.size(3) == 32,
-              "matvec_int8: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE, ", 32), got ",
-              w.sizes());
+                  w.size(1) == (K + 31) / 32 && w.size(2) == TILE && w.size(3) == 32,
+              "matvec_int8: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
+              ", 32), got ", w.sizes());
   if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
-                "matvec_int8: bias must be a contiguous vector of ", N, " ", x.scalar_type());
+    TORCH_CHECK(
+        bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+        "matvec_int8: bias must be a contiguous vector of ", N, " ", x.scalar_type());
   at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* sp = static_cast<const float*>(scales.data_ptr());
   if (x.scalar_type() == at::kBFloat16) {
@@ -213,23 +218,24 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_, const at::Tensor& w, double eps) 
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) {
-      const uint16_t* row = xp + i * D;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 v = bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), row + d));
-        squares = _mm512_fmadd_ps(v, v, squares);
-      }
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 m = first(D - d);
-        const __m512 normed = round_bf16(_mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, row + d)), scale));
-        const __m512 scaled = _mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, wp + d)), normed);
-        _mm256_mask_storeu_epi16(yp + i * D + d, m, (__m256i)_mm512_cvtneps_pbh(scaled));
-      }
-    }
-  });
+  at::parallel_for(
+      0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+          const uint16_t* row = xp + i * D;
+          __m512 squares = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512 v = bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), row + d));
+            squares = _mm512_fmadd_ps(v, v, squares);
+          }
+          const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
+          for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 m = first(D - d);
+            const __m512 normed = round_bf16(_mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, row + d)), scale));
+            const __m512 scaled = _mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, wp + d)), normed);
+            _mm256_mask_storeu_epi16(yp + i * D + d, m, (__m256i)_mm512_cvtneps_pbh(scaled));
+          }
+        }
+      });
   return y;
 }
 
@@ -238,13 +244,14 @@ void rotate(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat1
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; d++) {
     const float turned = d < half ? -float(x[d + half]) : float(x[d - half]);
-    out[d] = c10::BFloat16(float(c10::BFloat16(float(x[d]) * float(cos[d]))) + float(c10::BFloat16(turned * float(sin[d]))));
+    out[d] =
+        c10::BFloat16(float(c10::BFloat16(float(x[d]) * float(cos[d]))) + float(c10::BFloat16(turned * float(sin[d]))));
   }
 }
 
 void check_bf16_cpu(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.device().is_cpu(),
-              name, " must be a contiguous ", dim, "-D bfloat16 CPU tensor");
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name,
+              " must be a contiguous ", dim, "-D bfloat16 CPU tensor");
 }
 
 // L new tokens per row: rotate their q and k heads, write k and v into the caches at slots
@@ -262,9 +269,11 @@ at::Tensor rope_into_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, co
   TORCH_CHECK(H > 0 && D % 2 == 0, "rope_into_cache: qkv ", qkv.sizes(), " does not fit caches ", k_cache.sizes());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(3) == D,
               "rope_into_cache: caches ", k_cache.sizes(), " and ", v_cache.sizes(), " do not fit qkv ", qkv.sizes());
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == L && cos.size(2) == 1 && cos.size(3) == D,
-              "rope_into_cache: cos/sin ", cos.sizes(), " do not fit qkv ", qkv.sizes());
-  TORCH_CHECK(start >= 0 && start + L <= T, "rope_into_cache: slots ", start, "..", start + L, " outside a cache of ", T);
+  TORCH_CHECK(
+      cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == L && cos.size(2) == 1 && cos.size(3) == D,
+      "rope_into_cache: cos/sin ", cos.sizes(), " do not fit qkv ", qkv.sizes());
+  TORCH_CHECK(start >= 0 && start + L <= T, "rope_into_cache: slots ", start, "..", start + L, " outside a cache of ",
+              T);
   at::Tensor q = at::empty({B, L, H, D}, qkv.options());
   const auto* x = static_cast<const c10::BFloat16*>(qkv.data_ptr());
   const auto* cp = static_cast<const c10::BFloat16*>(cos.data_ptr());
@@ -294,7 +303,8 @@ inline __m512 exp_ps(__m512 x) {
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts, for exact reduction
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -305,7 +315,8 @@ inline float dot_q_k(const float* q, const c10::BFloat16* k, int64_t D) {
   for (; d + 16 <= D; d += 16)
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), bf16_to_float(_mm256_loadu_si256((const __m256i*)(k + d))), acc);
   if (d < D)
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(first(D - d), q + d), bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), k + d)), acc);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(first(D - d), q + d),
+                          bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), k + d)), acc);
   return _mm512_reduce_add_ps(acc);
 }
 
@@ -314,19 +325,23 @@ inline void add_scaled(float* out, float p, const c10::BFloat16* v, int64_t D) {
   const __m512 pv = _mm512_set1_ps(p);
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 m = first(D - d);
-    _mm512_mask_storeu_ps(out + d, m, _mm512_fmadd_ps(pv, bf16_to_float(_mm256_maskz_loadu_epi16(m, v + d)), _mm512_maskz_loadu_ps(m, out + d)));
+    _mm512_mask_storeu_ps(
+        out + d, m,
+        _mm512_fmadd_ps(pv, bf16_to_float(_mm256_maskz_loadu_epi16(m, v + d)), _mm512_maskz_loadu_ps(m, out + d)));
   }
 }
 
 // One query per row, no mask: each q head (B, 1, H, D) attends over slots 0..length-1 of its kv head
 // (grouped-query order) with a float32 softmax. Returns (B, 1, H * D).
-at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length) {
+at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t length) {
   check_bf16_cpu(q, "decode_attention: q", 4);
   check_bf16_cpu(k_cache, "decode_attention: k_cache", 4);
   check_bf16_cpu(v_cache, "decode_attention: v_cache", 4);
   const int64_t B = q.size(0), H = q.size(2), D = q.size(3), KV = k_cache.size(1), T = k_cache.size(2);
   TORCH_CHECK(q.size(1) == 1 && KV > 0 && H % KV == 0 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
-              k_cache.size(3) == D, "decode_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes());
+                  k_cache.size(3) == D,
+              "decode_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes());
   TORCH_CHECK(length > 0 && length <= T, "decode_attention: length ", length, " outside a cache of ", T);
   at::Tensor y = at::empty({B, 1, H * D}, q.options());
   const auto* qp = static_cast<const c10::BFloat16*>(q.data_ptr());
@@ -347,7 +362,8 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
       __m512 sums = _mm512_setzero_ps();
       for (int64_t s = 0; s < length; s += 16) {
         const __mmask16 m = first(length - s);
-        const __m512 p = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top))));
+        const __m512 p =
+            _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top))));
         _mm512_storeu_ps(scores.data() + s, p);
         sums = _mm512_add_ps(sums, p);
       }
@@ -361,29 +377,35 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // bf16(silu(gate)) * up for x = [gate | up] along the last dimension, rounded as the reference rounds
-at::Tensor silu_mul_bf16(const at::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1 &&
-              x.size(-1) % 2 == 0, "silu_mul: x must be a contiguous bfloat16 CPU tensor of even width");
+at::Tensor silu_mul_bf16(const at::Tensor& x_) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_mul: x must be a bfloat16 CPU tensor of even width");
   const int64_t F = x.size(-1) / 2, rows = F ? x.numel() / (2 * F) : 0;
   at::Tensor y = at::empty(out_shape(x, F), x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) {
-      const uint16_t *gate = xp + i * 2 * F, *up = gate + F;
-      for (int64_t f = 0; f < F; f += 16) {
-        const __mmask16 m = first(F - f);
-        const __m512 g = bf16_to_float(_mm256_maskz_loadu_epi16(m, gate + f));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        const __m512 product = _mm512_mul_ps(round_bf16(silu), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
-        _mm256_mask_storeu_epi16(yp + i * F + f, m, (__m256i)_mm512_cvtneps_pbh(product));
-      }
-    }
-  });
+  at::parallel_for(
+      0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+          const uint16_t *gate = xp + i * 2 * F, *up = gate + F;
+          for (int64_t f = 0; f < F; f += 16) {
+            const __mmask16 m = first(F - f);
+            const __m512 g = bf16_to_float(_mm256_maskz_loadu_epi16(m, gate + f));
+            const __m512 silu =
+                _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 product = _mm512_mul_ps(round_bf16(silu), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
+            _mm256_mask_storeu_epi16(yp + i * F + f, m, (__m256i)_mm512_cvtneps_pbh(product));
+          }
+        }
+      });
   return y;
 }
 
-bool cpu_supported() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+bool cpu_supported() {
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+}
 
 }  // namespace
 
@@ -391,8 +413,10 @@ TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
   m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor", rms_norm_bf16);
-  m.def("rope_into_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor",
-        rope_into_cache_bf16);
+  m.def(
+      "rope_into_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> "
+      "Tensor",
+      rope_into_cache_bf16);
   m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention_bf16);
   m.def("silu_mul_bf16(Tensor x) -> Tensor", silu_mul_bf16);
   m.def("cpu_supported() -> bool", cpu_supported);
