@@ -140,8 +140,10 @@ def test_bad_operands_are_refused_by_name():
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant", ["llama_bias", "qwen3", "llama_tied_gqa"])
-def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, monkeypatch, variant):
+@pytest.mark.parametrize("variant, weight_format", [("llama_bias", "bfloat16"), ("qwen3", "bfloat16"),
+                                                    ("llama_tied_gqa", "bfloat16"), ("llama_bias", "int8"),
+                                                    ("llama_tied_gqa", "int8")])
+def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, monkeypatch, variant, weight_format):
     """The kernels and PyTorch's operators differ only in float32 summation order."""
     path, _ = tiny_checkpoint(variant)
     ids = torch.randint(0, 256, (2, 9), generator=generator)
@@ -151,12 +153,17 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
         steps = [lm.forward(ids, state)[:, -1]] + [lm.step(ids[:, i:i + 1], state).reshape(2, -1) for i in range(4)]
         return torch.stack(steps).float()
 
-    fast = CausalLM.load(path, weight_format="bfloat16", device="cpu")
+    fast = CausalLM.load(path, weight_format=weight_format, device="cpu")
     with_kernels = decode(fast)
     monkeypatch.setattr(kernels, "available", lambda: False)
-    plain = CausalLM.load(path, weight_format="bfloat16", device="cpu")
-    assert isinstance(fast.blocks[0].mlp.down, MatvecLinear) and isinstance(plain.blocks[0].mlp.down, PackedLinear)
+    plain = CausalLM.load(path, weight_format=weight_format, device="cpu")
+    if weight_format == "bfloat16":
+        assert isinstance(fast.blocks[0].mlp.down, MatvecLinear) and isinstance(plain.blocks[0].mlp.down, PackedLinear)
+    else:
+        assert fast.blocks[0].mlp.down.kernel and not plain.blocks[0].mlp.down.kernel
+        assert torch.equal(fast.parameters()["model.layers.0.mlp.down_proj.weight"],
+                           plain.parameters()["model.layers.0.mlp.down_proj.weight"])  # the same int8 values
     without = decode(plain)
     delta = float((with_kernels - without).abs().max() / without.abs().max())
-    print(f"{variant}: max |delta logit| / scale with and without the kernels = {delta:.3g}")
+    print(f"{variant} {weight_format}: max |delta logit| / scale with and without the kernels = {delta:.3g}")
     assert delta < 0.03
