@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lmstack import CausalLM
-from lmstack import models
+from lmstack import CausalLM, kernels, models
 from lmstack.gguf import convert, is_gguf
 
 HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
@@ -191,6 +190,7 @@ def main():
     bandwidth = read_bandwidth()
     print(f"model: {source}\nthreads: {args.threads}; prompt {args.prompt_tokens} tokens, {args.new_tokens} new "
           f"tokens; prefill {args.prefill_tokens} tokens; median of {args.repeats}\n"
+          f"lmstack's CPU kernels: {'on' if kernels.available() else 'off (PyTorch operators)'}\n"
           f"read bandwidth: {bandwidth:.1f} GB/s\n")
 
     rows, baselines = [], {}

@@ -90,11 +90,16 @@ def test_quantized_formats_are_refused_for_recurrent_models(tmp_path):
 
 
 def test_int8_greedy_text_leaves_float32_only_at_near_ties(smollm2_hf):
-    """int8 moves logits by a few tenths: it may flip a near-tie, never a confident choice."""
+    """int8 moves logits by a few tenths: it may flip a near-tie, never a confident choice, and it keeps
+    the first 16 greedy tokens of most prompts."""
     from lmstack import Tokenizer
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are",
-               "To make a cup of tea,"]
+               "To make a cup of tea,", "The largest planet in the solar system is", "import numpy as np\n",
+               "Water boils at", "The theory of relativity was developed by", "In 1492, Columbus",
+               "A haiku about autumn:\n", "The quick brown fox", "Photosynthesis is the process",
+               "SELECT * FROM users WHERE", "The best way to learn a language is", "Dear Sir or Madam,",
+               "The mitochondria is", "Here is a recipe for pancakes:", "The stock market", "My favorite book is"]
     tokenizer = Tokenizer.from_pretrained(smollm2_hf)
     base = CausalLM.load(smollm2_hf, device="cpu")
     int8 = CausalLM.load(smollm2_hf, weight_format="int8", device="cpu")
@@ -112,6 +117,7 @@ def test_int8_greedy_text_leaves_float32_only_at_near_ties(smollm2_hf):
               f"{float(top2[0] - top2[1]):.3f}")
         assert top2[0] - top2[1] < 0.5
     print(f"int8 greedy text equal to float32 for 16 tokens on {same} of {len(prompts)} prompts")
+    assert same > len(prompts) / 2
 
 
 def test_int4_widths_are_checked_before_any_weight_is_read(tmp_path, llama):
