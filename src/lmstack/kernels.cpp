@@ -51,13 +51,17 @@ inline void store_sums(const __m512* acc, float* out) {
     for (int r = 0; r < ROWS; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// dot products of one bf16 row x with ROWS bf16 rows of w (row stride K)
+// dot products of one bf16 row x with ROWS bf16 rows of w (row stride K), prefetching the next ROWS rows
+// in address order: read row-wise, rows of a thousand bytes leave the hardware prefetcher behind
 template <int ROWS>
 __attribute__((always_inline)) inline void dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
+  const char* next_tile = (const char*)(w + ROWS * K);  // contiguous: fetched in order, ROWS lines a step
+  for (; k + 32 <= K; k += 32, next_tile += ROWS * 64) {
+    if constexpr (ROWS > 1)
+      for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
   }
