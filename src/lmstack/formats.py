@@ -28,7 +28,8 @@ WEIGHT_FORMATS = tuple(DEFAULT_PROFILE)
 QUANTIZED = ("int8", "int4")
 PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
 INT4_GROUP = 32
-FAST_INT8_ROWS = 16  # up to this many rows torch._weight_int8pack_mm beats a dequantized matmul on CPU
+INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
+BF16_KERNEL_ROWS = 8  # and lmstack's bfloat16 kernel beats F.linear
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -102,9 +103,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if self.kernel and rows <= kernels.KERNEL_ROWS:
+        if self.kernel and rows <= INT8_KERNEL_ROWS:
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
-        if self.packed_kernel and rows <= FAST_INT8_ROWS:
+        if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
         else:  # many rows (a prefill): dequantizing once for a dense matmul beats the few-row kernels
@@ -157,7 +158,7 @@ class MatvecLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
-        if x.numel() <= kernels.KERNEL_ROWS * self.weight.shape[1]:
+        if x.numel() <= BF16_KERNEL_ROWS * self.weight.shape[1]:
             return kernels.matvec_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KERNEL_ROWS = 8  # up to this many rows of input (decode, small batches); more rows are a matmul's job
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
@@ -50,7 +49,7 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias for up to KERNEL_ROWS rows of x, all bfloat16."""
+    """x @ weight.T + bias for a few rows of x (decode, small batches), all bfloat16."""
     return torch.ops.lmstack.matvec_bf16(x, weight, bias)
 
 
