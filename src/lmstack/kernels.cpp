@@ -406,11 +406,6 @@ at::Tensor silu_mul_bf16(const at::Tensor& x_) {
   return y;
 }
 
-bool cpu_supported() {
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-}
-
 }  // namespace
 
 TORCH_LIBRARY(lmstack, m) {
@@ -423,5 +418,4 @@ TORCH_LIBRARY(lmstack, m) {
       rope_into_cache_bf16);
   m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention_bf16);
   m.def("silu_mul_bf16(Tensor x) -> Tensor", silu_mul_bf16);
-  m.def("cpu_supported() -> bool", cpu_supported);
 }

@@ -23,14 +23,27 @@ import torch.nn.functional as F
 
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}  # what FLAGS let the compiler use
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags, as Linux lists them (none where /proc cannot be read)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are built and this CPU can run them (built once per machine, on first call)."""
+    """Whether this CPU can run the kernels and they are built (once per machine, on first call)."""
     if os.environ.get("LMSTACK_KERNELS", "1") == "0":
         return False
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    if sys.platform != "linux" or platform.machine() != "x86_64" or not CPU_FLAGS <= cpu_flags():
         return False
     try:
         from torch.utils import cpp_extension
@@ -40,7 +53,7 @@ def available() -> bool:
     except Exception as error:  # no compiler or ninja, or an old PyTorch: PyTorch's operators still work
         warnings.warn(f"lmstack's CPU kernels could not be built, using PyTorch's operators: {error}", stacklevel=2)
         return False
-    return torch.ops.lmstack.cpu_supported()
+    return True
 
 
 def usable(x: torch.Tensor) -> bool:
