@@ -14,7 +14,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from . import models
+import torch
+
+from . import kernels, models
 from .model import CausalLM
 from .parallel import PipelineCausalLM
 from .checkpoint import DTYPES, Checkpoint
@@ -139,7 +141,9 @@ def _load(args):
                                 device=args.device, progress=_Progress(args.quiet, "loading"),
                                 model_class=model_class)
     if args.verbose:
-        print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+        uses_kernels = lm.device.type == "cpu" and lm.dtype == torch.bfloat16
+        runs_on = f"; lmstack's CPU kernels {'on' if kernels.available() else 'off'}" if uses_kernels else ""
+        print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s{runs_on}]", file=sys.stderr)
     return lm, tokenizer
 
 
