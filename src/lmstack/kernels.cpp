@@ -6,8 +6,8 @@
 // int8 weights are stored tile by tile (tile_int8 in kernels.py), so that each thread reads one
 // sequential stream, prefetched ahead: rows of a few hundred bytes read row-wise leave the hardware
 // prefetcher idle.
-// rms_norm, rope_into_cache, decode_attention and silu_mul (bfloat16): what eager PyTorch spends a dozen
-// small operators on, in one call, rounding to bfloat16 where the reference does.
+// rms_norm, rope_into_cache, decode_attention and silu_mul (float32 or bfloat16): what eager PyTorch
+// spends a dozen small operators on, in one call, rounding to bfloat16 where the reference does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -210,64 +211,86 @@ at::Tensor matvec_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   return y;
 }
 
-// y = w * bf16(x * rsqrt(mean(x^2) + eps)) for every row of x (bfloat16)
-at::Tensor rms_norm_bf16(const at::Tensor& x_, const at::Tensor& w, double eps) {
+// Activations are float32 or bfloat16: T. load/store move 16 lanes (the first `m`) as float32, and
+// rounded<T> rounds a float32 result to T, where the reference's arithmetic in T rounds.
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const c10::BFloat16* p, __mmask16 m) { return bf16_to_float(_mm256_maskz_loadu_epi16(m, p)); }
+inline void store(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(c10::BFloat16* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+template <typename T>
+inline __m512 rounded(__m512 v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return round_bf16(v);
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 tensor.
+template <typename F>
+auto with_type(const at::Tensor& t, const char* name, const F& f) {
+  if (t.scalar_type() == at::kFloat) return f.template operator()<float>();
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16, got ", t.scalar_type());
+  return f.template operator()<c10::BFloat16>();
+}
+
+void check_cpu(const at::Tensor& t, at::ScalarType dtype, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == dtype && t.device().is_cpu(), name,
+              " must be a contiguous ", dim, "-D ", dtype, " CPU tensor");
+}
+
+// y = w * rounded(x * rsqrt(mean(x^2) + eps)) for every row of x (the reference's order)
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
   const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
-              "rms_norm_bf16: x must be a bfloat16 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "rms_norm: x must be a CPU tensor");
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
-              "rms_norm_bf16: weight must be a contiguous bfloat16 vector of ", D);
+  check_cpu(w, x.scalar_type(), "rms_norm: weight", 1);
+  TORCH_CHECK(w.size(0) == D, "rms_norm: weight has ", w.size(0), " entries for rows of ", D);
   at::Tensor y = at::empty(x.sizes(), x.options());
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(
-      0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) {
-          const uint16_t* row = xp + i * D;
-          __m512 squares = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512 v = bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), row + d));
-            squares = _mm512_fmadd_ps(v, v, squares);
-          }
-          const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
-          for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 m = first(D - d);
-            const __m512 normed = round_bf16(_mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, row + d)), scale));
-            const __m512 scaled = _mm512_mul_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, wp + d)), normed);
-            _mm256_mask_storeu_epi16(yp + i * D + d, m, (__m256i)_mm512_cvtneps_pbh(scaled));
-          }
+  with_type(x, "rms_norm: x", [&]<typename T>() {
+    const T *xp = static_cast<const T*>(x.data_ptr()), *wp = static_cast<const T*>(w.data_ptr());
+    T* yp = static_cast<T*>(y.data_ptr());
+    at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        const T* row = xp + i * D;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 v = load(row + d, first(D - d));
+          squares = _mm512_fmadd_ps(v, v, squares);
         }
-      });
+        const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 m = first(D - d);
+          store(yp + i * D + d, m, _mm512_mul_ps(load(wp + d, m), rounded<T>(_mm512_mul_ps(load(row + d, m), scale))));
+        }
+      }
+    });
+  });
   return y;
 }
 
-// the half-split rotation of one head, rounded as the reference's bf16 x * cos + rotate_half(x) * sin
-void rotate(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t D, c10::BFloat16* out) {
+// the half-split rotation of one head, rounded as the reference's x * cos + rotate_half(x) * sin in T
+template <typename T>
+void rotate(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; d++) {
     const float turned = d < half ? -float(x[d + half]) : float(x[d - half]);
-    out[d] =
-        c10::BFloat16(float(c10::BFloat16(float(x[d]) * float(cos[d]))) + float(c10::BFloat16(turned * float(sin[d]))));
+    out[d] = T(float(T(float(x[d]) * float(cos[d]))) + float(T(turned * float(sin[d]))));
   }
-}
-
-void check_bf16_cpu(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name,
-              " must be a contiguous ", dim, "-D bfloat16 CPU tensor");
 }
 
 // L new tokens per row: rotate their q and k heads, write k and v into the caches at slots
 // start..start+L-1, return the rotated q heads. qkv (B, L, H + 2 KV, D); cos, sin (B, L, 1, D);
 // caches (B, KV, T, D); returns (B, L, H, D).
-at::Tensor rope_into_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
-  check_bf16_cpu(qkv, "rope_into_cache: qkv", 4);
-  check_bf16_cpu(cos, "rope_into_cache: cos", 4);
-  check_bf16_cpu(sin, "rope_into_cache: sin", 4);
-  check_bf16_cpu(k_cache, "rope_into_cache: k_cache", 4);
-  check_bf16_cpu(v_cache, "rope_into_cache: v_cache", 4);
+at::Tensor rope_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, int64_t start) {
+  const at::ScalarType dtype = qkv.scalar_type();
+  check_cpu(qkv, dtype, "rope_into_cache: qkv", 4);
+  check_cpu(cos, dtype, "rope_into_cache: cos", 4);
+  check_cpu(sin, dtype, "rope_into_cache: sin", 4);
+  check_cpu(k_cache, dtype, "rope_into_cache: k_cache", 4);
+  check_cpu(v_cache, dtype, "rope_into_cache: v_cache", 4);
   const int64_t B = qkv.size(0), L = qkv.size(1), D = qkv.size(3), KV = k_cache.size(1), T = k_cache.size(2);
   const int64_t H = qkv.size(2) - 2 * KV, heads = H + 2 * KV;
   TORCH_CHECK(H > 0 && D % 2 == 0, "rope_into_cache: qkv ", qkv.sizes(), " does not fit caches ", k_cache.sizes());
@@ -279,23 +302,23 @@ at::Tensor rope_into_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, co
   TORCH_CHECK(start >= 0 && start + L <= T, "rope_into_cache: slots ", start, "..", start + L, " outside a cache of ",
               T);
   at::Tensor q = at::empty({B, L, H, D}, qkv.options());
-  const auto* x = static_cast<const c10::BFloat16*>(qkv.data_ptr());
-  const auto* cp = static_cast<const c10::BFloat16*>(cos.data_ptr());
-  const auto* sp = static_cast<const c10::BFloat16*>(sin.data_ptr());
-  auto* qp = static_cast<c10::BFloat16*>(q.data_ptr());
-  auto* kc = static_cast<c10::BFloat16*>(k_cache.data_ptr());
-  auto* vc = static_cast<c10::BFloat16*>(v_cache.data_ptr());
-  at::parallel_for(0, B * L, std::max<int64_t>(1, TASK_WEIGHTS / (heads * D)), [&](int64_t begin, int64_t end) {
-    for (int64_t bl = begin; bl < end; bl++) {
-      const int64_t b = bl / L, slot = start + bl % L;
-      const c10::BFloat16* token = x + bl * heads * D;
-      for (int64_t h = 0; h < H; h++) rotate(token + h * D, cp + bl * D, sp + bl * D, D, qp + (bl * H + h) * D);
-      for (int64_t g = 0; g < KV; g++) {
-        const int64_t at = ((b * KV + g) * T + slot) * D;
-        rotate(token + (H + g) * D, cp + bl * D, sp + bl * D, D, kc + at);
-        std::copy(token + (H + KV + g) * D, token + (H + KV + g + 1) * D, vc + at);
+  with_type(qkv, "rope_into_cache: qkv", [&]<typename E>() {
+    const E* x = static_cast<const E*>(qkv.data_ptr());
+    const E *cp = static_cast<const E*>(cos.data_ptr()), *sp = static_cast<const E*>(sin.data_ptr());
+    E *qp = static_cast<E*>(q.data_ptr()), *kc = static_cast<E*>(k_cache.data_ptr());
+    E* vc = static_cast<E*>(v_cache.data_ptr());
+    at::parallel_for(0, B * L, std::max<int64_t>(1, TASK_WEIGHTS / (heads * D)), [&](int64_t begin, int64_t end) {
+      for (int64_t bl = begin; bl < end; bl++) {
+        const int64_t b = bl / L, slot = start + bl % L;
+        const E* token = x + bl * heads * D;
+        for (int64_t h = 0; h < H; h++) rotate(token + h * D, cp + bl * D, sp + bl * D, D, qp + (bl * H + h) * D);
+        for (int64_t g = 0; g < KV; g++) {
+          const int64_t at = ((b * KV + g) * T + slot) * D;
+          rotate(token + (H + g) * D, cp + bl * D, sp + bl * D, D, kc + at);
+          std::copy(token + (H + KV + g) * D, token + (H + KV + g + 1) * D, vc + at);
+        }
       }
-    }
+    });
   });
   return q;
 }
@@ -312,97 +335,90 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// q . k for a float32 q and a bfloat16 k of length D
-inline float dot_q_k(const float* q, const c10::BFloat16* k, int64_t D) {
+// q . k for a float32 q and a k of length D
+template <typename T>
+inline float dot_q_k(const float* q, const T* k, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), bf16_to_float(_mm256_loadu_si256((const __m256i*)(k + d))), acc);
-  if (d < D)
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(first(D - d), q + d),
-                          bf16_to_float(_mm256_maskz_loadu_epi16(first(D - d), k + d)), acc);
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(load(q + d, first(D - d)), load(k + d, first(D - d)), acc);
   return _mm512_reduce_add_ps(acc);
 }
 
-// out += p * v for a bfloat16 v of length D
-inline void add_scaled(float* out, float p, const c10::BFloat16* v, int64_t D) {
+// out += p * v for a v of length D
+template <typename T>
+inline void add_scaled(float* out, float p, const T* v, int64_t D) {
   const __m512 pv = _mm512_set1_ps(p);
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 m = first(D - d);
-    _mm512_mask_storeu_ps(
-        out + d, m,
-        _mm512_fmadd_ps(pv, bf16_to_float(_mm256_maskz_loadu_epi16(m, v + d)), _mm512_maskz_loadu_ps(m, out + d)));
+    store(out + d, m, _mm512_fmadd_ps(pv, load(v + d, m), load(out + d, m)));
   }
 }
 
 // One query per row, no mask: each q head (B, 1, H, D) attends over slots 0..length-1 of its kv head
 // (grouped-query order) with a float32 softmax. Returns (B, 1, H * D).
-at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 int64_t length) {
-  check_bf16_cpu(q, "decode_attention: q", 4);
-  check_bf16_cpu(k_cache, "decode_attention: k_cache", 4);
-  check_bf16_cpu(v_cache, "decode_attention: v_cache", 4);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            int64_t length) {
+  check_cpu(q, q.scalar_type(), "decode_attention: q", 4);
+  check_cpu(k_cache, q.scalar_type(), "decode_attention: k_cache", 4);
+  check_cpu(v_cache, q.scalar_type(), "decode_attention: v_cache", 4);
   const int64_t B = q.size(0), H = q.size(2), D = q.size(3), KV = k_cache.size(1), T = k_cache.size(2);
   TORCH_CHECK(q.size(1) == 1 && KV > 0 && H % KV == 0 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
                   k_cache.size(3) == D,
               "decode_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes());
   TORCH_CHECK(length > 0 && length <= T, "decode_attention: length ", length, " outside a cache of ", T);
   at::Tensor y = at::empty({B, 1, H * D}, q.options());
-  const auto* qp = static_cast<const c10::BFloat16*>(q.data_ptr());
-  const auto* kc = static_cast<const c10::BFloat16*>(k_cache.data_ptr());
-  const auto* vc = static_cast<const c10::BFloat16*>(v_cache.data_ptr());
-  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t group = H / KV;
   const float scale = 1.0f / std::sqrt(float(D));
-  // a short context is done faster by one thread than split
-  at::parallel_for(0, B * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (length * D)), [&](int64_t begin, int64_t end) {
-    std::vector<float> query(D), out(D), scores(length + 16);
-    for (int64_t bh = begin; bh < end; bh++) {
-      const int64_t kv = (bh / H) * KV + (bh % H) / group;
-      const c10::BFloat16 *keys = kc + kv * T * D, *values = vc + kv * T * D;
-      for (int64_t d = 0; d < D; d++) query[d] = float(qp[bh * D + d]) * scale;
-      float top = -INFINITY;
-      for (int64_t s = 0; s < length; s++) top = std::max(top, scores[s] = dot_q_k(query.data(), keys + s * D, D));
-      __m512 sums = _mm512_setzero_ps();
-      for (int64_t s = 0; s < length; s += 16) {
-        const __mmask16 m = first(length - s);
-        const __m512 p =
-            _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top))));
-        _mm512_storeu_ps(scores.data() + s, p);
-        sums = _mm512_add_ps(sums, p);
+  with_type(q, "decode_attention: q", [&]<typename E>() {
+    const E *qp = static_cast<const E*>(q.data_ptr()), *kc = static_cast<const E*>(k_cache.data_ptr());
+    const E* vc = static_cast<const E*>(v_cache.data_ptr());
+    E* yp = static_cast<E*>(y.data_ptr());
+    // a short context is done faster by one thread than split
+    at::parallel_for(0, B * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (length * D)), [&](int64_t begin, int64_t end) {
+      std::vector<float> query(D), out(D), scores(length + 16);
+      for (int64_t bh = begin; bh < end; bh++) {
+        const int64_t kv = (bh / H) * KV + (bh % H) / group;
+        const E *keys = kc + kv * T * D, *values = vc + kv * T * D;
+        for (int64_t d = 0; d < D; d++) query[d] = float(qp[bh * D + d]) * scale;
+        float top = -INFINITY;
+        for (int64_t s = 0; s < length; s++) top = std::max(top, scores[s] = dot_q_k(query.data(), keys + s * D, D));
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t s = 0; s < length; s += 16) {
+          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top)));
+          _mm512_storeu_ps(scores.data() + s, p);
+          sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(first(length - s), p));
+        }
+        std::fill(out.begin(), out.end(), 0.0f);
+        for (int64_t s = 0; s < length; s++) add_scaled(out.data(), scores[s], values + s * D, D);
+        const float total = _mm512_reduce_add_ps(sums);
+        for (int64_t d = 0; d < D; d++) yp[bh * D + d] = E(out[d] / total);
       }
-      std::fill(out.begin(), out.end(), 0.0f);
-      for (int64_t s = 0; s < length; s++) add_scaled(out.data(), scores[s], values + s * D, D);
-      const float total = _mm512_reduce_add_ps(sums);
-      for (int64_t d = 0; d < D; d++) yp[bh * D + d] = c10::BFloat16(out[d] / total);
-    }
+    });
   });
   return y;
 }
 
-// bf16(silu(gate)) * up for x = [gate | up] along the last dimension, rounded as the reference rounds
-at::Tensor silu_mul_bf16(const at::Tensor& x_) {
+// rounded(silu(gate)) * up for x = [gate | up] along the last dimension, rounded as the reference rounds
+at::Tensor silu_mul(const at::Tensor& x_) {
   const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
-              "silu_mul: x must be a bfloat16 CPU tensor of even width");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_mul: x must be a CPU tensor of even width");
   const int64_t F = x.size(-1) / 2, rows = F ? x.numel() / (2 * F) : 0;
   at::Tensor y = at::empty(out_shape(x, F), x.options());
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(
-      0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) {
-          const uint16_t *gate = xp + i * 2 * F, *up = gate + F;
-          for (int64_t f = 0; f < F; f += 16) {
-            const __mmask16 m = first(F - f);
-            const __m512 g = bf16_to_float(_mm256_maskz_loadu_epi16(m, gate + f));
-            const __m512 silu =
-                _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            const __m512 product = _mm512_mul_ps(round_bf16(silu), bf16_to_float(_mm256_maskz_loadu_epi16(m, up + f)));
-            _mm256_mask_storeu_epi16(yp + i * F + f, m, (__m256i)_mm512_cvtneps_pbh(product));
-          }
+  with_type(x, "silu_mul: x", [&]<typename T>() {
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    T* yp = static_cast<T*>(y.data_ptr());
+    at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        const T *gate = xp + i * 2 * F, *up = gate + F;
+        for (int64_t f = 0; f < F; f += 16) {
+          const __mmask16 m = first(F - f);
+          const __m512 g = load(gate + f, m);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          store(yp + i * F + f, m, _mm512_mul_ps(rounded<T>(silu), load(up + f, m)));
         }
-      });
+      }
+    });
+  });
   return y;
 }
 
@@ -411,11 +427,9 @@ at::Tensor silu_mul_bf16(const at::Tensor& x_) {
 TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
-  m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor", rms_norm_bf16);
-  m.def(
-      "rope_into_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> "
-      "Tensor",
-      rope_into_cache_bf16);
-  m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention_bf16);
-  m.def("silu_mul_bf16(Tensor x) -> Tensor", silu_mul_bf16);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
+  m.def("rope_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor",
+        rope_into_cache);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention);
+  m.def("silu_mul(Tensor x) -> Tensor", silu_mul);
 }

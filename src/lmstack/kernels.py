@@ -4,8 +4,9 @@ Decoding one token reads every weight once, through many small operators. For on
 PyTorch's CPU kernels read weights at 25-35 GB/s (oneDNN's packed bfloat16, torch._weight_int8pack_mm),
 well under what the memory delivers, and eager PyTorch spends ~15 us on an RMSNorm of one row and ~30 us
 on rotary embedding, cache writes and attention per layer. kernels.cpp does each in one call: matvec for
-bfloat16 and int8 weights, RMSNorm, rotary with the cache write, one-query attention and silu(gate) * up
-(bench/decode.py shows the whole-model effect).
+bfloat16 and int8 weights; RMSNorm, rotary with the cache write, one-query attention and silu(gate) * up
+for float32 and bfloat16 activations (bench/decode.py shows the whole-model effect). Results differ from
+PyTorch's operators only in float32 summation order and exp's last bit (tests/test_kernels.py).
 
 It is compiled on first use with torch.utils.cpp_extension (a few seconds, then cached). Without a
 compiler, on other CPUs, or with LMSTACK_KERNELS=0, the callers use PyTorch's operators instead.
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}  # what FLAGS let the compiler use
 
 
@@ -57,8 +59,8 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the bfloat16 kernels (RMSNorm, attention, silu * up) run on the activations x."""
-    return x.dtype == torch.bfloat16 and x.is_cpu and available()
+    """Whether the kernels for activations (RMSNorm, rotary, attention, silu * up) take x."""
+    return x.dtype in ACTIVATION_DTYPES and x.is_cpu and available()
 
 
 def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,21 +87,22 @@ def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dimension of x, all bfloat16."""
-    return torch.ops.lmstack.rms_norm_bf16(x, weight, eps)
+    """weight * (x * rsqrt(mean(x^2) + eps), rounded to x's dtype) over the last dimension of x; x and
+    weight of one dtype, float32 or bfloat16."""
+    return torch.ops.lmstack.rms_norm(x, weight, eps)
 
 
 def rope_into_cache(qkv, cos, sin, k_cache, v_cache, start: int) -> torch.Tensor:
     """Rotary on the q and k heads of qkv (B, L, H + 2 KV, D); k and v written into the caches at slots
     start..start+L-1; returns the rotated q heads (B, L, H, D)."""
-    return torch.ops.lmstack.rope_into_cache_bf16(qkv, cos, sin, k_cache, v_cache, start)
+    return torch.ops.lmstack.rope_into_cache(qkv, cos, sin, k_cache, v_cache, start)
 
 
 def decode_attention(q, k_cache, v_cache, length: int) -> torch.Tensor:
     """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D)."""
-    return torch.ops.lmstack.decode_attention_bf16(q, k_cache, v_cache, length)
+    return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
-    return torch.ops.lmstack.silu_mul_bf16(gate_up)
+    return torch.ops.lmstack.silu_mul(gate_up)
