@@ -30,7 +30,8 @@ inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_
 // round to nearest even, as c10::BFloat16 does (but flushing denormals to zero)
 inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
 
-inline __mmask16 first(int64_t n) { return (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
+// lanes 0..n-1 of 16 (none for n <= 0)
+inline __mmask16 first(int64_t n) { return n <= 0 ? 0 : (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
 
 // the four sums of a[0..3]; a tile's cost is mostly its loads, so its reduction must stay cheap
 inline __m128 sum4(const __m512* a) {
@@ -251,21 +252,23 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
   with_type(x, "rms_norm: x", [&]<typename T>() {
     const T *xp = static_cast<const T*>(x.data_ptr()), *wp = static_cast<const T*>(w.data_ptr());
     T* yp = static_cast<T*>(y.data_ptr());
-    at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; i++) {
-        const T* row = xp + i * D;
-        __m512 squares = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 v = load(row + d, first(D - d));
-          squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 m = first(D - d);
-          store(yp + i * D + d, m, _mm512_mul_ps(load(wp + d, m), rounded<T>(_mm512_mul_ps(load(row + d, m), scale))));
-        }
-      }
-    });
+    at::parallel_for(
+        0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; i++) {
+            const T* row = xp + i * D;
+            __m512 squares = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m512 v = load(row + d, first(D - d));
+              squares = _mm512_fmadd_ps(v, v, squares);
+            }
+            const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + float(eps)));
+            for (int64_t d = 0; d < D; d += 16) {
+              const __mmask16 m = first(D - d);
+              store(yp + i * D + d, m,
+                    _mm512_mul_ps(load(wp + d, m), rounded<T>(_mm512_mul_ps(load(row + d, m), scale))));
+            }
+          }
+        });
   });
   return y;
 }
@@ -343,20 +346,35 @@ inline float dot_q_k(const float* q, const T* k, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// out += p * v for a v of length D
+// scores[0..4) = q . k[j] for four keys k[j] = k + j * D: one reduction for the four
 template <typename T>
-inline void add_scaled(float* out, float p, const T* v, int64_t D) {
-  const __m512 pv = _mm512_set1_ps(p);
+inline void dot_q_4k(const float* q, const T* k, int64_t D, float* scores) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 m = first(D - d);
-    store(out + d, m, _mm512_fmadd_ps(pv, load(v + d, m), load(out + d, m)));
+    const __m512 qv = load(q + d, m);
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qv, load(k + j * D + d, m), acc[j]);
+  }
+  _mm_storeu_ps(scores, sum4(acc));
+}
+
+// out[0..D) = sum over s of p[s] * v[s], D in blocks of 64 held in registers
+template <typename T>
+inline void weighted_sum(const float* p, const T* v, int64_t length, int64_t D, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t s = 0; s < length; s++) {
+      const __m512 ps = _mm512_set1_ps(p[s]);
+      for (int c = 0; c < 4; c++)
+        acc[c] = _mm512_fmadd_ps(ps, load(v + s * D + d0 + 16 * c, first(D - d0 - 16 * c)), acc[c]);
+    }
+    for (int c = 0; c < 4; c++) store(out + d0 + 16 * c, first(D - d0 - 16 * c), acc[c]);
   }
 }
 
 // One query per row, no mask: each q head (B, 1, H, D) attends over slots 0..length-1 of its kv head
 // (grouped-query order) with a float32 softmax. Returns (B, 1, H * D).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            int64_t length) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length) {
   check_cpu(q, q.scalar_type(), "decode_attention: q", 4);
   check_cpu(k_cache, q.scalar_type(), "decode_attention: k_cache", 4);
   check_cpu(v_cache, q.scalar_type(), "decode_attention: v_cache", 4);
@@ -374,21 +392,26 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     E* yp = static_cast<E*>(y.data_ptr());
     // a short context is done faster by one thread than split
     at::parallel_for(0, B * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (length * D)), [&](int64_t begin, int64_t end) {
-      std::vector<float> query(D), out(D), scores(length + 16);
+      std::vector<float> query(D), out(D + 64), scores(length + 16);
       for (int64_t bh = begin; bh < end; bh++) {
         const int64_t kv = (bh / H) * KV + (bh % H) / group;
         const E *keys = kc + kv * T * D, *values = vc + kv * T * D;
         for (int64_t d = 0; d < D; d++) query[d] = float(qp[bh * D + d]) * scale;
-        float top = -INFINITY;
-        for (int64_t s = 0; s < length; s++) top = std::max(top, scores[s] = dot_q_k(query.data(), keys + s * D, D));
+        int64_t s = 0;
+        for (; s + 4 <= length; s += 4) dot_q_4k(query.data(), keys + s * D, D, scores.data() + s);
+        for (; s < length; s++) scores[s] = dot_q_k(query.data(), keys + s * D, D);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (s = 0; s < length; s += 16)
+          top = _mm512_mask_max_ps(top, first(length - s), top, _mm512_loadu_ps(scores.data() + s));
+        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         __m512 sums = _mm512_setzero_ps();
-        for (int64_t s = 0; s < length; s += 16) {
-          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), _mm512_set1_ps(top)));
+        for (s = 0; s < length; s += 16) {
+          const __m512 p =
+              _mm512_maskz_mov_ps(first(length - s), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), most)));
           _mm512_storeu_ps(scores.data() + s, p);
-          sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(first(length - s), p));
+          sums = _mm512_add_ps(sums, p);
         }
-        std::fill(out.begin(), out.end(), 0.0f);
-        for (int64_t s = 0; s < length; s++) add_scaled(out.data(), scores[s], values + s * D, D);
+        weighted_sum(scores.data(), values, length, D, out.data());
         const float total = _mm512_reduce_add_ps(sums);
         for (int64_t d = 0; d < D; d++) yp[bh * D + d] = E(out[d] / total);
       }
@@ -407,17 +430,19 @@ at::Tensor silu_mul(const at::Tensor& x_) {
   with_type(x, "silu_mul: x", [&]<typename T>() {
     const T* xp = static_cast<const T*>(x.data_ptr());
     T* yp = static_cast<T*>(y.data_ptr());
-    at::parallel_for(0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; i++) {
-        const T *gate = xp + i * 2 * F, *up = gate + F;
-        for (int64_t f = 0; f < F; f += 16) {
-          const __mmask16 m = first(F - f);
-          const __m512 g = load(gate + f, m);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          store(yp + i * F + f, m, _mm512_mul_ps(rounded<T>(silu), load(up + f, m)));
-        }
-      }
-    });
+    at::parallel_for(
+        0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; i++) {
+            const T *gate = xp + i * 2 * F, *up = gate + F;
+            for (int64_t f = 0; f < F; f += 16) {
+              const __mmask16 m = first(F - f);
+              const __m512 g = load(gate + f, m);
+              const __m512 silu =
+                  _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+              store(yp + i * F + f, m, _mm512_mul_ps(rounded<T>(silu), load(up + f, m)));
+            }
+          }
+        });
   });
   return y;
 }
@@ -428,8 +453,10 @@ TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
-  m.def("rope_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor",
-        rope_into_cache);
+  m.def(
+      "rope_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> "
+      "Tensor",
+      rope_into_cache);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention);
   m.def("silu_mul(Tensor x) -> Tensor", silu_mul);
 }
