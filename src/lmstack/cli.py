@@ -14,8 +14,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from . import kernels, models
 from .model import CausalLM
 from .parallel import PipelineCausalLM
@@ -141,8 +139,7 @@ def _load(args):
                                 device=args.device, progress=_Progress(args.quiet, "loading"),
                                 model_class=model_class)
     if args.verbose:
-        uses_kernels = lm.device.type == "cpu" and lm.dtype == torch.bfloat16
-        runs_on = f"; lmstack's CPU kernels {'on' if kernels.available() else 'off'}" if uses_kernels else ""
+        runs_on = f"; lmstack's CPU kernels {'on' if kernels.available() else 'off'}" if lm.device.type == "cpu" else ""
         print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s{runs_on}]", file=sys.stderr)
     return lm, tokenizer
 
