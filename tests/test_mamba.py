@@ -104,7 +104,7 @@ def test_greedy_generate_matches_transformers(checkpoint, name):
     expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                                   do_sample=False, pad_token_id=0)
     assert expected.shape[1] == ids.shape[1] + 32
-    assert torch.equal(lm.generate(ids, 32), expected[:, ids.shape[1]:])
+    assert torch.equal(lm.generate(ids, 32), expected)
 
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2_groups_tied"])
@@ -114,7 +114,7 @@ def test_ragged_rows_generate_as_they_would_alone(checkpoint, name):
     rows = [ids_for((9,), 3).tolist(), ids_for((4,), 4).tolist()]
     together = lm.generate(rows, 12)
     for i, row in enumerate(rows):
-        assert torch.equal(together[i], lm.generate([row], 12)[0])
+        assert torch.equal(together[i, 9 - len(row):], lm.generate([row], 12)[0])
 
 
 @pytest.mark.parametrize("name", ["mamba_untied_bias", "mamba2", "mamba2_groups_tied"])

@@ -95,7 +95,7 @@ def test_generate_prefills_once_then_steps(llama, monkeypatch):
     monkeypatch.setattr(lm, "_run", lambda ids, state, last_only=False: calls.append(ids.shape) or
                         run(ids, state, last_only))
     out = lm.generate([[5, 6, 7, 8]], 6)
-    assert out.shape == (1, 6)
+    assert out.shape == (1, 10)
     assert calls == [(1, 4)] + [(1, 1)] * 5
 
 
@@ -201,3 +201,61 @@ def test_safetensors_file_info_and_read(llama):
             f.info("nope")
     with Checkpoint(path) as ckpt:
         assert "model.norm.weight" in ckpt.names()
+
+
+# ---- the page's generate: "(B, L) ids in, (B, L + max_new_tokens) int32 ids out: the prompt followed by greedy
+# continuations ... exactly max_new_tokens are produced per row" (lmstack returns int64, torch's index dtype)
+
+def test_generate_returns_the_prompt_then_the_greedy_continuation(llama):
+    _, lm = llama
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    out = lm.generate(ids, 5)
+    assert out.shape == (2, 4 + 5) and torch.equal(out[:, :4], ids)
+    grown = ids
+    for _ in range(5):  # the oracle: argmax of a full forward over the sequence so far
+        grown = torch.cat([grown, lm.forward(grown)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, grown)
+    assert torch.equal(lm.generate(ids, 5, greedy=True), out)
+    assert torch.equal(torch.stack(list(lm.stream(ids, 5)), dim=1), out[:, 4:])  # stream: new tokens only
+
+
+def test_generate_zero_new_tokens_returns_a_copy_of_the_prompt(llama, monkeypatch):
+    _, lm = llama
+    ids = torch.tensor([[5, 6, 7]])
+    monkeypatch.setattr(lm, "_run", lambda *a, **k: pytest.fail("nothing runs for 0 new tokens"))
+    out = lm.generate(ids, 0)
+    assert torch.equal(out, ids) and out.data_ptr() != ids.data_ptr()
+    assert list(lm.stream(ids, 0)) == []
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        lm.generate(ids, -1)
+
+
+def test_greedy_false_without_sampling_options_is_refused_by_name(llama):
+    _, lm = llama
+    with pytest.raises(ValueError, match="greedy=False"):
+        lm.generate([[1, 2]], 3, greedy=False)
+    with pytest.raises(ValueError, match="greedy=True"):
+        lm.generate([[1, 2]], 3, temperature=0.7)
+    with pytest.raises(TypeError, match="greedy"):
+        lm.generate([[1, 2]], 3, greedy="yes")
+    sampled = lm.generate([[1, 2]], 3, greedy=False, temperature=0.7, seed=0)
+    assert sampled.shape == (1, 5) and torch.equal(sampled, lm.generate([[1, 2]], 3, greedy=False, temperature=0.7,
+                                                                        seed=0))
+
+
+def test_generate_past_max_positions_is_refused_before_anything_runs(llama, monkeypatch):
+    path, _ = llama
+    lm = CausalLM.load(path, device="cpu", max_positions=8)
+    assert lm.generate([[1, 2, 3, 4]], 4).shape == (1, 8)  # L + max_new_tokens == max_positions: fits
+    monkeypatch.setattr(lm, "_run", lambda *a, **k: pytest.fail("refused before anything runs"))
+    for call in (lm.generate, lm.stream):
+        with pytest.raises(ValueError, match="prompt length 4 \\+ max_new_tokens 5 exceeds max_positions 8"):
+            call([[1, 2, 3, 4]], 5)
+
+
+def test_ragged_prompts_are_left_padded_with_minus_one(llama):
+    _, lm = llama
+    out = lm.generate([[1, 2, 3, 4], [5, 6]], 3)
+    assert out.shape == (2, 4 + 3)
+    assert out[1, :2].tolist() == [-1, -1] and out[1, 2:4].tolist() == [5, 6]
+    assert torch.equal(out[1, 2:], lm.generate([[5, 6]], 3)[0])

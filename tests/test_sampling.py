@@ -27,13 +27,14 @@ def tiny(tiny_checkpoint, tmp_path_factory):
 
 def test_same_seed_same_tokens_and_other_seeds_differ(tiny):
     lm, _ = tiny
-    sample = dict(temperature=1.0, top_p=0.95, seed=7)
+    sample = dict(greedy=False, temperature=1.0, top_p=0.95, seed=7)
     first = lm.generate(PROMPTS[:1], 24, **sample)
     assert torch.equal(first, lm.generate(PROMPTS[:1], 24, **sample))
     assert not torch.equal(first, lm.generate(PROMPTS[:1], 24, **{**sample, "seed": 8}))
 
 
-@pytest.mark.parametrize("options", [dict(top_k=1, temperature=1.5, seed=1), dict(temperature=1e-6, seed=1)],
+@pytest.mark.parametrize("options", [dict(greedy=False, top_k=1, temperature=1.5, seed=1),
+                                     dict(greedy=False, temperature=1e-6, seed=1)],
                          ids=["top_k=1", "temperature->0"])
 def test_degenerate_sampling_equals_greedy(tiny, options):
     lm, _ = tiny
@@ -68,25 +69,26 @@ def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint):
     ids = torch.tensor(PROMPTS[1:2])
     reference.generation_config.eos_token_id = None
     expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                  repetition_penalty=1.5, pad_token_id=0)[:, ids.shape[1]:]
+                                  repetition_penalty=1.5, pad_token_id=0)
     assert torch.equal(lm.generate(ids, 20, repetition_penalty=1.5), expected)
     assert not torch.equal(lm.generate(ids, 20), expected)  # the penalty did change something
 
 
 def test_eos_stops_each_row_and_pads_with_minus_one(tiny):
     lm, _ = tiny
-    free = lm.generate(PROMPTS[:2], 16)
+    L = len(PROMPTS[1])
+    free = lm.generate(PROMPTS[:2], 16)[:, L:]
     eos = int(free[0, 5])
     stopped = lm.generate(PROMPTS[:2], 16, eos_ids=[eos])
+    assert stopped.shape == (2, L + 16)  # the page's shape, whether rows stop or not
     ends = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else 16 for row in free]
-    assert stopped.shape == (2, max(ends))
-    for row, full, end in zip(stopped, free, ends):
+    for row, full, end in zip(stopped[:, L:], free, ends):
         assert torch.equal(row[:end], full[:end]) and (row[end:] == -1).all()
 
 
 def test_text_stops_at_eos_without_showing_it(tiny):
     lm, tok = tiny
-    free = lm.generate(PROMPTS[:1], 16)[0].tolist()
+    free = lm.generate(PROMPTS[:1], 16)[0, len(PROMPTS[0]):].tolist()
     eos = free[6]
     text = generate_text(lm, tok, PROMPTS[:1], 16, eos_ids=[eos])[0]
     assert text == tok.decode(free[:free.index(eos)])
@@ -118,8 +120,10 @@ def test_stream_never_splits_a_utf8_character():
 def test_ragged_batch_gives_each_row_its_tokens_alone(tiny_checkpoint, name):
     lm = CausalLM.load(tiny_checkpoint(name)[0], device="cpu")
     batch = lm.generate(PROMPTS, 12)
+    width = max(map(len, PROMPTS))
     for row, prompt in zip(batch, PROMPTS):
-        assert torch.equal(row, lm.generate([prompt], 12)[0])
+        assert (row[:width - len(prompt)] == -1).all()  # left padding shows as -1
+        assert torch.equal(row[width - len(prompt):], lm.generate([prompt], 12)[0])
 
 
 def test_ragged_text_batch_equals_single_prompts(tiny):

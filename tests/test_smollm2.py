@@ -41,7 +41,7 @@ def test_greedy_text_matches_transformers_on_the_converted_directory(lmstack_mod
         ids = tok.encode(prompt)
         assert ids == hf_tok(prompt)["input_ids"], prompt
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)[0, len(ids):]
-        ours = lm.generate([ids], TOKENS, eos_ids=lm.eos_ids)[0]
+        ours = lm.generate([ids], TOKENS, eos_ids=lm.eos_ids)[0, len(ids):]
         ours = ours[ours >= 0]
         print(f"{prompt!r} -> {tok.decode(ours)!r}")
         assert ours.tolist() == expected.tolist(), prompt

@@ -411,31 +411,63 @@ class CausalLM:
             raise ValueError(f"step takes one token per row, got shape {tuple(ids.shape)}")
         return self.forward(ids, state)[:, -1]
 
-    def generate(self, ids, max_new_tokens: int, **options) -> torch.Tensor:
-        """Continuations (B, n) of the rows of `ids`: greedy by default, sampled with Sampler's options.
+    def generate(self, ids, max_new_tokens: int, *, greedy: bool = True, eos_ids=(), until=None,
+                 **sampling) -> torch.Tensor:
+        """(B, L) ids in, (B, L + max_new_tokens) ids out: each prompt followed by its continuation.
 
-        Without `eos_ids` (or `until`) every row runs `max_new_tokens` tokens. A row that stops keeps the
-        token it stopped at and holds -1 after it; n < max_new_tokens only when every row stopped.
-        Options as for `stream`.
+        `greedy=True` takes the argmax (ties to the lowest id); `greedy=False` samples, and needs a
+        `temperature` > 0 (Sampler's options: lmstack's extension, as are `eos_ids` and `until`; see `stream`).
+        Ragged rows are left-padded with -1 to the longest prompt; a row that stops keeps the token it
+        stopped at and holds -1 after it.
         """
-        return torch.stack(list(self.stream(ids, max_new_tokens, **options)), dim=1)
+        if not isinstance(greedy, bool):
+            raise TypeError(f"greedy must be True or False, got {greedy!r}")
+        sampler = Sampler(**sampling)
+        if greedy and not sampler.greedy:
+            raise ValueError(f"greedy=True with temperature {sampler.temperature!r} would sample: "
+                             "pass greedy=False to sample")
+        if not greedy and sampler.temperature == 0:
+            raise ValueError("greedy=False needs a sampling option: a temperature > 0 (with top_k, top_p, min_p, "
+                             "seed as wanted)")
+        ids, offsets = self._prompt(ids, max_new_tokens)
+        B, L = ids.shape
+        out = torch.full((B, L + max_new_tokens), -1, dtype=torch.long, device=self.device)
+        out[:, :L] = ids.masked_fill(torch.arange(L, device=self.device) < offsets[:, None], -1)
+        if max_new_tokens:
+            for i, tokens in enumerate(self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until)):
+                out[:, L + i] = tokens
+        return out
 
     def stream(self, ids, max_new_tokens: int, *, eos_ids=(), until=None, **sampling) -> Iterator[torch.Tensor]:
-        """Yield each step's tokens (B,) as they are made: one prefill, then one step per token.
+        """Yield each step's new tokens (B,) as they are made: one prefill, then one step per token.
 
         `ids` may be ragged (rows of different lengths): rows are left-padded and masked, so each row
         gets the tokens it gets alone. A row stops after a token in `eos_ids`, or when `until(tokens)`,
         called with each step's tokens before they are yielded, returns True for it ((B,) bool);
         a stopped row yields -1. `sampling`: Sampler's fields (temperature, top_k, top_p, min_p,
-        repetition_penalty, seed).
+        repetition_penalty, seed); the default is greedy.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sampler = Sampler(**sampling)
+        ids, offsets = self._prompt(ids, max_new_tokens)
+        if not max_new_tokens:
+            return iter(())
+        return self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until)
+
+    def _prompt(self, ids, max_new_tokens):
+        """The prompt rows left-padded (B, L) on the model's device and their padding, checked before anything
+        runs: the longest prompt and its continuation fit in max_positions."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         ids, offsets = left_pad(ids)
-        state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
+        L = ids.shape[1]
+        if self.max_positions is not None and L + max_new_tokens > self.max_positions:
+            raise ValueError(f"prompt length {L} + max_new_tokens {max_new_tokens} exceeds max_positions "
+                             f"{self.max_positions}")
+        return self._check_ids(ids, None), offsets.to(self.device)
+
+    def _stream(self, ids, offsets, max_new_tokens, sampler, eos_ids, until):
+        state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)  # the last token is not fed
         state.offsets.copy_(offsets)
-        ids = self._check_ids(ids, state)
         eos = torch.tensor(list(eos_ids), dtype=torch.long, device=self.device)
         return self._decode(ids, state, max_new_tokens, sampler, eos, until)
 
