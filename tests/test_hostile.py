@@ -477,7 +477,7 @@ GGUF = [
 
 # (name, build(root) -> the culprit file's name in root, open(root), exception, words the message holds)
 CORPUS = ([(*c[:2], open_safetensors, *c[2:]) for c in SAFETENSORS]
-          + [(*c[:2], lambda root: Checkpoint(root).read(NORM), *c[2:]) for c in INDEX]
+          + [(*c[:2], lambda root: Checkpoint.open(root).read(NORM), *c[2:]) for c in INDEX]
           + [(*c[:2], load, *c[2:]) for c in CONFIGS]
           + [(*c[:2], tokenizer, *c[2:]) for c in TOKENIZERS]
           + [(*c[:2], chat, *c[2:]) for c in CHAT]

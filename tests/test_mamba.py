@@ -190,3 +190,11 @@ def test_init_only_and_stale_fields_are_accepted():
                          time_step_limit=[0.0, {"__float__": "Infinity"}], rescale_prenorm_residual=True))
     assert plan.block_options["dt_limit"] == (0.0, float("inf"))
     assert plan.max_position_embeddings is None and plan.head_name == "lm_head.weight"
+
+
+def test_block_kwargs_carry_mamba2_dt_limit_only(checkpoint):
+    """The page: "block_kwargs (Mamba-2's dt_limit, else empty)"."""
+    path, reference = checkpoint("mamba2_dt_limit")
+    assert CausalLM.load(path, device="cpu").plan.block_kwargs == {
+        "dt_limit": tuple(reference.config.time_step_limit)}
+    assert CausalLM.load(checkpoint("mamba")[0], device="cpu").plan.block_kwargs == {}

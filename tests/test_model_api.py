@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmstack import CausalLM, Checkpoint, CheckpointError, SafetensorsFile
+from lmstack import CausalLM, CausalLMState, Checkpoint, CheckpointError, SafetensorsFile
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,6 @@ def test_ids_as_tensor_numpy_or_lists_give_the_same_logits(llama):
 
 
 @pytest.mark.parametrize("ids, words", [
-    ([[1.0, 2.0]], "integers"),
     (torch.zeros(1, 2, 3, dtype=torch.long), "shape"),
     ([[1, 2], [3]], "rectangular"),
     ([[]], "at least one token"),
@@ -177,18 +176,18 @@ def test_sharded_index_errors(tiny_checkpoint, tmp_path):
 
     broken = dict(index, weight_map={**index["weight_map"], "model.norm.weight": shard})
     index_path.write_text(json.dumps(broken))
-    with pytest.raises(CheckpointError, match=f"{shard}.*lacks tensor 'model.norm.weight'"):
+    with pytest.raises(CheckpointError, match=f"{shard}: lacks tensor 'model.norm.weight'"):
         CausalLM.load(target, device="cpu")
 
     escaping = dict(index, weight_map={**index["weight_map"], "model.norm.weight": "../elsewhere.safetensors"})
     index_path.write_text(json.dumps(escaping))
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
-        Checkpoint(target)
+        Checkpoint.open(target)
 
     (target / shard).unlink()
     index_path.write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match=shard):
-        Checkpoint(target)
+        Checkpoint.open(target)
 
 
 def test_safetensors_file_info_and_read(llama):
@@ -199,7 +198,7 @@ def test_safetensors_file_info_and_read(llama):
         assert f.read("model.norm.weight").shape == (64,)
         with pytest.raises(KeyError, match="nope"):
             f.info("nope")
-    with Checkpoint(path) as ckpt:
+    with Checkpoint.open(path) as ckpt:
         assert "model.norm.weight" in ckpt.names()
 
 
@@ -259,3 +258,81 @@ def test_ragged_prompts_are_left_padded_with_minus_one(llama):
     assert out.shape == (2, 4 + 3)
     assert out[1, :2].tolist() == [-1, -1] and out[1, 2:4].tolist() == [5, 6]
     assert torch.equal(out[1, 2:], lm.generate([[5, 6]], 3)[0])
+
+
+# ---- the page's small shapes
+
+def test_checkpoint_from_files_weight_map_and_root(tiny_checkpoint):
+    """"Checkpoint(files, weight_map, root)": what Checkpoint.open(path) finds, given directly."""
+    path, _ = tiny_checkpoint("llama_sharded")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    opened = Checkpoint.open(path)
+    with Checkpoint([path / s for s in shards], weight_map, path) as direct:
+        assert direct.names() == opened.names() == list(weight_map)
+        for name in weight_map:
+            assert torch.equal(direct.read(name), opened.read(name))
+    single, _ = tiny_checkpoint("llama")
+    with Checkpoint([single / "model.safetensors"], None, single) as direct:
+        assert direct.names() == Checkpoint.open(single).names()
+    with pytest.raises(CheckpointError, match="not one of the checkpoint's files"):
+        Checkpoint([path / shards[0]], weight_map, path)
+
+
+def test_index_naming_a_tensor_its_shard_does_not_hold_is_refused_naming_both(tiny_checkpoint, tmp_path):
+    path, _ = tiny_checkpoint("llama_sharded")
+    target = copy_checkpoint(path, tmp_path)
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    index["weight_map"]["model.layers.9.mlp.extra.weight"] = shard  # a tensor the plan never reads
+    index_path.write_text(json.dumps(index))
+    for opener in (Checkpoint.open, lambda p: CausalLM.load(p, device="cpu")):
+        with pytest.raises(CheckpointError, match=f"lacks tensor 'model.layers.9.mlp.extra.weight'.*{shard}"):
+            opener(target)
+
+
+def test_state_constructible_as_documented_and_reset_returns_it(llama):
+    """"CausalLMState(batch_size, max_tokens, layers, *, owner=None)"; "reset_state(state)" returns the state."""
+    _, lm = llama
+    allocated = lm.allocate_state(2, 6)
+    state = CausalLMState(2, 6, allocated.layers, owner=lm)
+    assert (state.batch_size, state.max_tokens, state.layers) == (2, 6, allocated.layers)
+    assert state.positions.tolist() == [0, 0]
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    logits = lm.forward(ids, state)
+    torch.testing.assert_close(logits, lm.forward(ids), rtol=1e-5, atol=1e-5)
+    assert state.positions.tolist() == [3, 3]
+    assert lm.reset_state(state) is state and state.positions.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="not allocated by this model"):
+        lm.forward(ids, CausalLMState(2, 6, allocated.layers))  # owner=None
+
+
+def test_step_without_a_state_is_refused_by_name(llama):
+    _, lm = llama
+    with pytest.raises(ValueError, match="step needs a state"):
+        lm.step([1], None)
+
+
+@pytest.mark.parametrize("ids", [[[1.0, 2.0]], np.array([[1.5]]), torch.tensor([[True]]), [["a", "b"]]])
+def test_non_integer_ids_raise_type_error(llama, ids):
+    _, lm = llama
+    with pytest.raises(TypeError, match="ids must be integers"):
+        lm.forward(ids)
+
+
+def test_max_positions_above_the_config_is_refused_by_name(llama):
+    path, lm = llama
+    assert lm.max_positions == 128
+    with pytest.raises(ValueError, match="max_positions 129 exceeds the config's max_position_embeddings 128"):
+        CausalLM.load(path, device="cpu", max_positions=129)
+
+
+def test_model_attributes_of_the_page(llama, tiny_checkpoint):
+    path, lm = llama
+    config = json.loads((path / "config.json").read_text())
+    assert lm.config["hidden_size"] == config["hidden_size"] and lm.plan.model_type == "llama"
+    assert (lm.d_model, lm.n_layers, lm.kind, lm.vocab_size, lm.max_positions) == (
+        config["hidden_size"], config["num_hidden_layers"], "transformer", config["vocab_size"], 128)
+    assert lm.norm_eps == config["rms_norm_eps"] and lm.device == torch.device("cpu")
+    assert lm.plan.block_kwargs == {}

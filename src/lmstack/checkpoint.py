@@ -171,68 +171,73 @@ def _read_header(path: Path) -> dict:
 
 
 class Checkpoint:
-    """All tensors of a checkpoint, whichever of the three layouts it uses; files opened on first use."""
+    """All tensors of a checkpoint: one .safetensors file, or the shards its index's weight map names.
 
-    def __init__(self, path):
+    `files` are the .safetensors paths; `weight_map` maps each tensor name to the file that holds it, by
+    its path relative to `root` as an index spells it, or is None when `files` is one file (its header
+    lists its tensors). Every header is read and checked here, so a map that places a tensor in a file
+    that does not hold it is refused before a byte is mapped; a tensor's bytes are mapped only while
+    they are read. `open(path)` finds the files of the three layouts.
+    """
+
+    def __init__(self, files, weight_map, root):
+        self.root = Path(root)
+        paths = [Path(f) for f in files]
+        self._files: dict = {}
+        if weight_map is None:
+            if len(paths) != 1:
+                raise ValueError(f"without a weight_map, files must be one .safetensors file, got {len(paths)}")
+            self.path, self._where = paths[0], {}
+            self._files[None] = SafetensorsFile(paths[0])
+            return
+        self.path, self._where = self.root, dict(weight_map)
+        by_name = {}
+        for path in paths:
+            if not path.is_relative_to(self.root):
+                raise CheckpointError(f"{path}: not inside the checkpoint directory {self.root}")
+            by_name[path.relative_to(self.root)] = path
+        for tensor, name in self._where.items():
+            key = Path(name)
+            if key not in by_name:
+                raise CheckpointError(f"{self.root}: weight_map places tensor {tensor!r} in {name!r}, "
+                                      f"which is not one of the checkpoint's files")
+            if name not in self._files:
+                self._files[name] = SafetensorsFile(by_name[key])
+            if tensor not in self._files[name]._tensors:
+                raise CheckpointError(f"{by_name[key]}: lacks tensor {tensor!r}, which the index places in "
+                                      f"shard {name!r}")
+
+    @classmethod
+    def open(cls, path) -> "Checkpoint":
+        """A single model.safetensors, an explicit .safetensors path, or a directory holding
+        model.safetensors.index.json and its shards."""
         path = Path(path)
         if path.is_file():
-            self.root, shards = path.parent, {None: path}
-            self._where = {}
-        elif path.is_dir():
-            self.root = path
-            index = path / "model.safetensors.index.json"
-            single = path / "model.safetensors"
-            if single.is_file():
-                shards, self._where = {None: single}, {}
-            elif index.is_file():
-                self._where = _read_index(index)
-                shards = {name: self._shard_path(index, name) for name in set(self._where.values())}
-            else:
-                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        else:
+            return cls([path], None, path.parent)
+        if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
-        self.path = path
-        self._shard_paths = shards
-        self._files: dict = {}
-
-    def _shard_path(self, index: Path, name: str) -> Path:
-        """A shard the index names: a relative path without '..' that, symlinks followed, stays in the directory."""
-        if not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory "
-                                  f"(an empty, absolute or '..' path)")
-        try:
-            shard = (self.root / name).resolve()
-        except (OSError, RuntimeError) as e:  # a symlink loop
-            raise CheckpointError(f"{index}: shard {name!r} cannot be resolved ({e})") from None
-        if self.root.resolve() not in shard.parents:
-            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory")
-        if not shard.is_file():
-            raise FileNotFoundError(f"{index}: names shard {name!r}, which does not exist")
-        return shard
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if single.is_file():
+            return cls([single], None, path)
+        if not index.is_file():
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        where = _read_index(index)
+        names = dict.fromkeys(where.values())
+        return cls([_shard_path(path, index, name) for name in names], where, path)
 
     def _file(self, name: str) -> SafetensorsFile:
-        key = self._where.get(name) if self._where else None
-        if self._where and key is None:
+        if not self._where:
+            return self._files[None]
+        if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r} in the index")
-        if key not in self._files:
-            self._files[key] = SafetensorsFile(self._shard_paths[key])
-        file = self._files[key]
-        if name not in file._tensors:
-            raise CheckpointError(f"{file.path}: lacks tensor {name!r}, which the index places there")
-        return file
+        return self._files[self._where[name]]
 
     def names(self) -> list[str]:
-        if self._where:
-            return list(self._where)
-        return self._file_for_listing().names()
-
-    def _file_for_listing(self) -> SafetensorsFile:
-        if None not in self._files:
-            self._files[None] = SafetensorsFile(self._shard_paths[None])
-        return self._files[None]
+        return list(self._where) if self._where else self._files[None].names()
 
     def __contains__(self, name: str) -> bool:
-        return name in (self._where if self._where else self._file_for_listing()._tensors)
+        return name in (self._where if self._where else self._files[None]._tensors)
 
     def info(self, name: str) -> TensorInfo:
         return self._file(name).info(name)
@@ -246,13 +251,28 @@ class Checkpoint:
     def close(self):
         for file in self._files.values():
             file.close()
-        self._files.clear()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shard_path(root: Path, index: Path, name: str) -> Path:
+    """A shard the index names: a relative path without '..' that, symlinks followed, stays in the directory."""
+    if not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory "
+                              f"(an empty, absolute or '..' path)")
+    try:
+        shard = (root / name).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise CheckpointError(f"{index}: shard {name!r} cannot be resolved ({e})") from None
+    if root.resolve() not in shard.parents:
+        raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory")
+    if not shard.is_file():
+        raise FileNotFoundError(f"{index}: names shard {name!r}, which does not exist")
+    return root / name
 
 
 def _read_index(index: Path) -> dict:

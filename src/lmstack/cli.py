@@ -256,7 +256,7 @@ def _info(args):
         config, kind = source.config, "GGUF"
     else:
         config = HFConfig.from_json(path if path.is_dir() else path.parent)
-        source, kind = Checkpoint(path), "safetensors"
+        source, kind = Checkpoint.open(path), "safetensors"
     plan = plan_for(config)
     o = plan.block_options
     with source:

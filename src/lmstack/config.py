@@ -161,6 +161,11 @@ class ModelPlan:
     layer_prefix: str = "model.layers"
     layer_windows: tuple = field(default=())
 
+    @property
+    def block_kwargs(self) -> dict:
+        """The block options beyond the shared interface: Mamba 2's dt_limit, else none."""
+        return {"dt_limit": self.block_options["dt_limit"]} if self.kind == "mamba2" else {}
+
     def layer_weights(self, i: int) -> list[tuple[str, str, slice | None]]:
         """(block parameter, checkpoint tensor, rows of the block parameter it fills) for layer i."""
         if not 0 <= i < self.n_layers:

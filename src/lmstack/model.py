@@ -4,7 +4,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -80,15 +80,22 @@ def _check_tensors(plan: ModelPlan, checkpoint):
 class CausalLMState:
     """Per-layer decode state (KV caches, or conv and SSM states), preallocated; owned by the caller.
 
-    `length` cache slots are filled; row b's real tokens start at slot `offsets[b]` (left padding).
+    `layers` holds one block state per layer in stack order; `max_tokens` is the capacity the caches were
+    allocated for (None: no limit, a recurrent state does not grow). `length` cache slots are filled;
+    row b's real tokens start at slot `offsets[b]` (left padding; default none).
     """
 
-    layers: list
     batch_size: int
-    max_tokens: int | None  # None: no limit (a recurrent state does not grow)
-    offsets: torch.Tensor
-    length: int = 0
+    max_tokens: int | None
+    layers: list
+    _: KW_ONLY
     owner: object = field(default=None, repr=False)
+    offsets: torch.Tensor | None = None
+    length: int = 0
+
+    def __post_init__(self):
+        if self.offsets is None:
+            self.offsets = torch.zeros(self.batch_size, dtype=torch.long, device=getattr(self.owner, "device", "cpu"))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -179,9 +186,11 @@ def as_ids(ids, *, column: bool = False) -> torch.Tensor:
             raise ValueError("ids must be a rectangular tensor, array or nested list of integers")
         if array.size == 0 and array.dtype == np.float64:
             array = array.astype(np.int64)
+        if array.dtype.kind not in "iub":
+            raise TypeError(f"ids must be integers, got {array.dtype}")
         tensor = torch.from_numpy(array)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise ValueError(f"ids must be integers, got {tensor.dtype}")
+        raise TypeError(f"ids must be integers, got {tensor.dtype}")
     if tensor.dim() == 1:
         tensor = tensor[:, None] if column else tensor[None]
     if tensor.dim() != 2:
@@ -189,6 +198,17 @@ def as_ids(ids, *, column: bool = False) -> torch.Tensor:
     if tensor.shape[0] == 0 or tensor.shape[1] == 0:
         raise ValueError(f"ids must hold at least one token per row, got shape {tuple(tensor.shape)}")
     return tensor.long()
+
+
+def _check_max_positions(plan: ModelPlan, max_positions):
+    """max_positions, when given, is a positive integer within the config's max_position_embeddings."""
+    if max_positions is None:
+        return
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
+    limit = plan.max_position_embeddings
+    if limit is not None and max_positions > limit:
+        raise ValueError(f"max_positions {max_positions} exceeds the config's max_position_embeddings {limit}")
 
 
 class CausalLM:
@@ -223,10 +243,16 @@ class CausalLM:
         self.rotary = None
         if plan.kind == "transformer":
             self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
+        self.config = None  # the HFConfig a load read the plan from
         self.unused_names: list[str] = []
         self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
+
+    d_model = property(lambda self: self.plan.d_model)
+    n_layers = property(lambda self: self.plan.n_layers)
+    kind = property(lambda self: self.plan.kind, doc='"transformer", "mamba1" or "mamba2"')
+    norm_eps = property(lambda self: self.plan.norm_eps, doc="the final norm's epsilon")
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -240,21 +266,19 @@ class CausalLM:
         (see formats.py for the pairs). `progress(done, total)` is called after each tensor is read.
         """
         dtype = resolve(weight_format, numeric_profile)
-        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
-                                          or max_positions < 1):
-            raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
         if isinstance(path, GGUFFile) or is_gguf(path):  # an open GGUFFile spares parsing its metadata twice
             source = path if isinstance(path, GGUFFile) else GGUFFile(path)
             config, directory = source.config, None
         else:
             path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
-            source, directory = Checkpoint(path), config.path.parent
+            source, directory = Checkpoint.open(path), config.path.parent
         plan = plan_for(config)
+        _check_max_positions(plan, max_positions)
         check_format(weight_format, plan)
         _check_tensors(plan, source)
         model = cls(plan, dtype=dtype, device=device, max_positions=max_positions, weight_format=weight_format)
-        model.eos_ids = eos_ids(config, directory)
+        model.config, model.eos_ids = config, eos_ids(config, directory)
         with source:
             model._fill(source, progress)
         return model
@@ -362,14 +386,15 @@ class CausalLM:
         if self.max_positions is not None and max_tokens > self.max_positions:
             raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
         layers = [b.new_cache(batch_size, max_tokens, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
-        offsets = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        return CausalLMState(layers, batch_size, max_tokens, offsets, owner=self)
+        return CausalLMState(batch_size, max_tokens, layers, owner=self)
 
-    def reset_state(self, state: CausalLMState):
-        """Empty a state for reuse; stale cache contents are never read past `length`."""
+    def reset_state(self, state: CausalLMState) -> CausalLMState:
+        """The state emptied for reuse, in place (capacity and batch size kept); stale cache contents are
+        never read past `length`."""
         self._check_state(state, 0)
         state.length = 0
         state.offsets.zero_()
+        return state
 
     def _check_state(self, state, n_new: int, batch: int | None = None):
         if not isinstance(state, CausalLMState) or state.owner is not self:
@@ -405,7 +430,9 @@ class CausalLM:
     __call__ = forward
 
     def step(self, ids, state: CausalLMState) -> torch.Tensor:
-        """One token per row (B,) or (B, 1) -> next-token logits (B, vocab) in float32."""
+        """One token per row (B,) or (B, 1) -> next-token logits (B, vocab) in float32; the state advances."""
+        if state is None:
+            raise ValueError("step needs a state (model.allocate_state); forward runs without one")
         ids = as_ids(ids, column=True)
         if ids.shape[1] != 1:
             raise ValueError(f"step takes one token per row, got shape {tuple(ids.shape)}")
