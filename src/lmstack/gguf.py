@@ -1,22 +1,52 @@
-"""GGUF files read through the `gguf` package (llama.cpp's own reader), onto the same ModelPlan.
+"""GGUF files read with every length checked, onto the same ModelPlan.
+
+The header is walked once through a small window of the file: each count and length is checked against
+the bytes that remain before anything is read or skipped, and values are only located, not decoded. A
+value is read when asked for (`get`, `array`), arrays with numpy, so a large array costs its own bytes
+and nothing more. Tensor data is read with `pread` on the descriptor opened once, never mapped: a file
+cut short while it is open is refused by name, where a mapping would die of SIGBUS.
 
 The metadata becomes a config dict for `plan_for`, so every refusal stays in config.py; tensors are
-renamed to the Hugging Face names the plan reads, dequantized on read, and the q/k rows that
-llama.cpp's converter permutes for its rotary layout are put back in Hugging Face's order.
+renamed to the Hugging Face names the plan reads, dequantized on read (by the `gguf` package, llama.cpp's
+own), and the q/k rows that llama.cpp's converter permutes for its rotary layout are put back in Hugging
+Face's order.
 """
 
 import json
+import math
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo
 from .config import HFConfig, UnsupportedModel, plan_for
 
 MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_NAME_BYTES = 65535  # keys and tensor names: the format's own limit on keys
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 2  # an array of arrays; deeper is refused
+WINDOW = 1 << 16  # bytes read at a time while walking the header
+
+# value type -> numpy dtype of its little-endian encoding (strings and arrays have none)
+SCALARS = {
+    GGUFValueType.UINT8: np.dtype("<u1"), GGUFValueType.INT8: np.dtype("<i1"),
+    GGUFValueType.UINT16: np.dtype("<u2"), GGUFValueType.INT16: np.dtype("<i2"),
+    GGUFValueType.UINT32: np.dtype("<u4"), GGUFValueType.INT32: np.dtype("<i4"),
+    GGUFValueType.FLOAT32: np.dtype("<f4"), GGUFValueType.BOOL: np.dtype("<u1"),
+    GGUFValueType.UINT64: np.dtype("<u8"), GGUFValueType.INT64: np.dtype("<i8"),
+    GGUFValueType.FLOAT64: np.dtype("<f8"),
+}
+TYPE_IDS = {t.value: t for t in GGUFValueType}
+QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
 
 # GGUF general.architecture -> (Hugging Face model_type, q/k rows permuted by llama.cpp's converter,
 # the transformers class `convert` names in config.json)
@@ -80,44 +110,349 @@ def hf_name(name: str) -> str:
     return name
 
 
-class GGUFFile:
-    """A GGUF file seen as a checkpoint: a config dict, and float32 tensors under Hugging Face names."""
+@dataclass(frozen=True)
+class Field:
+    """Where one metadata value lies: its type, its bytes [start, end), and an array's item type and count."""
+    type: GGUFValueType
+    start: int
+    end: int
+    item_type: GGUFValueType | None = None
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor's entry: its GGUF name, dims in GGUF order (fastest first), type, where its bytes lie in the
+    file, and how many the data gives it (with the padding up to the next tensor)."""
+    name: str
+    dims: tuple
+    type: GGMLQuantizationType
+    offset: int
+    nbytes: int
+    span: int
+
+
+class _Walk:
+    """The header read front to back through a small window, each read checked against the bytes left."""
+
+    def __init__(self, fd: int, size: int, fail):
+        self.fd, self.size, self.fail = fd, size, fail
+        self.pos, self.window, self.window_start = 0, b"", 0
+
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def need(self, n: int, what: str):
+        if n > self.left():
+            raise self.fail(f"{what} needs {n} bytes, {self.left()} remain at byte {self.pos}")
+
+    def take(self, n: int, what: str) -> bytes:
+        self.need(n, what)
+        at = self.pos - self.window_start
+        if at + n > len(self.window):
+            self.window, self.window_start, at = os.pread(self.fd, max(n, WINDOW), self.pos), self.pos, 0
+            if len(self.window) < n:
+                raise self.fail(f"the file ended at byte {self.pos + len(self.window)} while reading {what}: "
+                                f"it changed since it was opened")
+        self.pos += n
+        return self.window[at:at + n]
+
+    def skip(self, n: int, what: str):
+        self.need(n, what)
+        self.pos += n
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack("<Q", self.take(8, what))[0]
+
+    def name(self, what: str) -> str:
+        n = self.u64(f"the length of {what}")
+        if n > MAX_NAME_BYTES:
+            raise self.fail(f"{what} is {n} bytes long (at most {MAX_NAME_BYTES})")
+        raw = self.take(n, what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} {raw[:64]!r} is not UTF-8") from None
+
+    def value_type(self, what: str) -> GGUFValueType:
+        kind = self.u32(f"the type of {what}")
+        if kind not in TYPE_IDS:
+            raise self.fail(f"{what} has unknown value type {kind}")
+        return TYPE_IDS[kind]
+
+    def value(self, kind: GGUFValueType, what: str, depth: int = 0) -> Field:
+        """Skip one value of type `kind`, checking every length on the way; where it lay."""
+        start = self.pos
+        if kind in SCALARS:
+            self.skip(SCALARS[kind].itemsize, what)
+        elif kind == GGUFValueType.STRING:
+            self.skip(self.u64(f"the length of {what}"), what)
+        else:
+            item = self.value_type(f"the items of {what}")
+            count = self.u64(f"the length of {what}")
+            if item in SCALARS:
+                self.need(count * SCALARS[item].itemsize, f"{what} ({count} {item.name} items)")
+                self.pos += count * SCALARS[item].itemsize
+            elif item == GGUFValueType.STRING:
+                self.need(count * 8, f"{what} ({count} strings)")
+                self._strings(count, what)
+            else:
+                if depth + 1 >= MAX_NESTING:
+                    raise self.fail(f"{what} nests arrays deeper than {MAX_NESTING}")
+                self.need(count * 12, f"{what} ({count} arrays)")
+                for i in range(count):
+                    self.value(GGUFValueType.ARRAY, f"{what}[{i}]", depth + 1)
+            return Field(kind, start, self.pos, item, count)
+        return Field(kind, start, self.pos)
+
+    def _strings(self, count: int, what: str):
+        """Skip `count` strings: the window's bytes are read in place, a window at a time."""
+        unpack, size = struct.Struct("<Q").unpack_from, self.size
+        for i in range(count):
+            at = self.pos - self.window_start
+            if at + 8 > len(self.window):
+                self.need(8, f"{what}[{i}]")
+                self.window, self.window_start, at = os.pread(self.fd, WINDOW, self.pos), self.pos, 0
+                if len(self.window) < 8:
+                    raise self.fail(f"the file ended while reading {what}[{i}]: it changed since it was opened")
+            n = unpack(self.window, at)[0]
+            if n > size - self.pos - 8:
+                raise self.fail(f"{what}[{i}] needs {n} bytes, {size - self.pos - 8} remain at byte {self.pos + 8}")
+            self.pos += 8 + n
+
+
+def _strings(raw: bytes, count: int, fail, what: str) -> list[str]:
+    """Decode `count` length-prefixed UTF-8 strings from `raw`, whose lengths were checked when walked."""
+    unpack, out, at = struct.Struct("<Q").unpack_from, [], 0
+    for i in range(count):
+        n = unpack(raw, at)[0]
+        try:
+            out.append(raw[at + 8:at + 8 + n].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise fail(f"{what}[{i}] {raw[at + 8:at + 8 + min(n, 64)]!r} is not UTF-8") from None
+        at += 8 + n
+    return out
+
+
+class GGUFHeader:
+    """A GGUF file's metadata and tensor entries, for any architecture; values read from the file when asked for.
+
+    `keys()` lists the metadata, `get(key)` reads one value (arrays as lists), `array(key)` an array as numpy
+    (a list of str for strings), `field(key)` tells a value's type and size without reading it; `tensors` maps
+    GGUF names to their entries, whose bytes `data(tensor)` reads.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        self._fh = open(self.path, "rb", buffering=0)
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # the reader's checks surface as whatever numpy or struct raised
-            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        arch = self.get("general.architecture")
-        if not isinstance(arch, str) or arch not in ARCHITECTURES:
-            raise UnsupportedModel(f"{self.path}: GGUF architecture {arch!r} is not supported "
-                                   f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-        self.arch = arch
-        self._tensors = {hf_name(t.name): t for t in self.reader.tensors}
-        self._check_types()
-        self.config = HFConfig(self._config(), self.path)  # plan_for's errors then name this file
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: not a readable GGUF file: {what}")
+
+    def _parse(self):
+        """Locate every metadata value and tensor, checking each length, offset and type before using it."""
+        fd = self._fh.fileno()
+        walk = _Walk(fd, os.fstat(fd).st_size, self._fail)
+        if (magic := walk.take(4, "the magic")) != MAGIC:
+            raise self._fail(f"magic {magic!r}, expected {MAGIC!r}")
+        version = walk.u32("the version")
+        if version not in VERSIONS:
+            swapped = " (big-endian, which is not supported)" if version & 0xFFFF == 0 else ""
+            raise self._fail(f"version {version}{swapped}, expected one of {VERSIONS}")
+        n_tensors, n_fields = walk.u64("the tensor count"), walk.u64("the metadata count")
+        walk.need(n_fields * 13, f"{n_fields} metadata entries")  # the smallest entry takes 13 bytes
+        self._fields: dict[str, Field] = {}
+        for _ in range(n_fields):
+            key = walk.name("a metadata key")
+            if key in self._fields:
+                raise self._fail(f"metadata key {key!r} appears more than once")
+            self._fields[key] = walk.value(walk.value_type(f"metadata {key!r}"), f"metadata {key!r}")
+        field = self._fields.get("general.alignment")
+        alignment = self.get("general.alignment") if field else DEFAULT_ALIGNMENT
+        if (field and field.type != GGUFValueType.UINT32) or alignment < 1 or alignment & (alignment - 1):
+            raise self._fail(f"general.alignment {alignment!r} is not a power of two stored as UINT32")
+        walk.need(n_tensors * 24, f"{n_tensors} tensor entries")  # the smallest entry takes 24 bytes
+        entries = []
+        for _ in range(n_tensors):
+            name = walk.name("a tensor name")
+            where = f"tensor {name!r}"
+            n_dims = walk.u32(f"the dimension count of {where}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise self._fail(f"{where} has {n_dims} dimensions (1 to {MAX_DIMS})")
+            dims = tuple(walk.u64(f"the dimensions of {where}") for _ in range(n_dims))
+            kind = walk.u32(f"the type of {where}")
+            offset = walk.u64(f"the offset of {where}")
+            entries.append((name, dims, kind, offset))
+        data_start = -walk.pos % alignment + walk.pos
+        data_size = walk.size - data_start
+        self.tensors: dict[str, Tensor] = {}
+        expected, previous = 0, None
+        for name, dims, kind, offset in entries:
+            where = f"tensor {name!r}"
+            if kind not in QUANT_IDS:
+                raise self._fail(f"{where} has unknown type id {kind}")
+            qtype = QUANT_IDS[kind]
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            elements = math.prod(dims)
+            if dims[0] % block or elements >= 1 << 62:
+                raise self._fail(f"{where}: dims {list(dims)} do not fit type {qtype.name} (rows of a "
+                                 f"multiple of {block} values, fewer than 2**62 in all)")
+            nbytes = elements // block * type_size
+            if offset % alignment:
+                raise self._fail(f"{where} has offset {offset}, not a multiple of {alignment} (general.alignment)")
+            if offset != expected:
+                after = ("the data's start" if previous is None else
+                         f"the end of tensor {previous.name!r} ({previous.type.name}, {previous.nbytes} bytes)")
+                raise self._fail(f"{where} has offset {offset}, expected {expected}: {after} aligned to {alignment} "
+                                 f"bytes (tensors follow one another, each span the size its type and dims give)")
+            if offset + nbytes > data_size:
+                raise self._fail(f"{where} ({qtype.name}, {nbytes} bytes at offset {offset}) runs past the data "
+                                 f"({data_size} bytes)")
+            if name in self.tensors:
+                raise self._fail(f"{where} appears more than once")
+            span = min(nbytes + (-nbytes % alignment), data_size - offset)
+            self.tensors[name] = previous = Tensor(name, dims, qtype, data_start + offset, nbytes, span)
+            expected = offset + nbytes + (-nbytes % alignment)
+        end = 0 if previous is None else previous.offset + previous.nbytes - data_start
+        if data_size - end >= alignment:
+            raise self._fail(f"{data_size - end} bytes after the last tensor {previous.name!r} ({previous.type.name}, "
+                             f"{previous.nbytes} bytes) belong to none")
 
     # ---- metadata ------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every metadata key, in the file's order."""
+        return list(self._fields)
+
+    def field(self, key: str) -> Field | None:
+        """Where `key`'s value lies and its type (None when absent): what to check before reading a large one."""
+        return self._fields.get(key)
 
     def get(self, key: str, default=_REQUIRED):
         """A metadata value (arrays as lists); `{arch}` in the key is this file's architecture."""
         key = key.replace("{arch}", getattr(self, "arch", ""))
-        field = self.reader.fields.get(key)
+        field = self._fields.get(key)
         if field is None:
             if default is _REQUIRED:
                 raise CheckpointError(f"{self.path}: GGUF metadata lacks {key!r}")
             return default
-        try:
-            value = field.contents()
-        except Exception as e:
-            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} cannot be read "
-                                  f"({type(e).__name__}: {e})") from None
-        if field.types == [gguf.GGUFValueType.FLOAT32]:  # the decimal the writer meant: 1e-05, not 9.99999974e-06
+        if field.type == GGUFValueType.ARRAY:
+            value = self.array(key)
+            return value if isinstance(value, list) else value.tolist()
+        raw = self._bytes(field, key)
+        if field.type == GGUFValueType.STRING:
+            return _strings(raw, 1, self._fail, f"metadata {key!r}")[0]
+        value = np.frombuffer(raw, SCALARS[field.type])[0].item()
+        if field.type == GGUFValueType.BOOL:
+            return bool(value)
+        if field.type == GGUFValueType.FLOAT32:  # the decimal the writer meant: 1e-05, not 9.99999974e-06
             value = float(str(np.float32(value)))
         return value
+
+    def array(self, key: str):
+        """An array value: numpy for numbers (bool for BOOL), a list of str for strings, lists for nested arrays."""
+        field = self._fields.get(key)
+        if field is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata lacks {key!r}")
+        if field.type != GGUFValueType.ARRAY:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is a {field.type.name}, not an array")
+        raw = self._bytes(field, key)[12:]
+        if field.item_type == GGUFValueType.STRING:
+            return _strings(raw, field.count, self._fail, f"metadata {key!r}")
+        if field.item_type == GGUFValueType.ARRAY:
+            return self._nested(raw, field.count, key)
+        values = np.frombuffer(raw, SCALARS[field.item_type], field.count)
+        return values != 0 if field.item_type == GGUFValueType.BOOL else values.astype(values.dtype.newbyteorder("="))
+
+    def _nested(self, raw: bytes, count: int, key: str) -> list:
+        """An array of arrays (bounds checked when walked), as lists."""
+        out, at = [], 0
+        for _ in range(count):
+            kind, n = struct.unpack_from("<IQ", raw, at)
+            item = TYPE_IDS[kind]
+            at += 12
+            if item == GGUFValueType.STRING:
+                values = _strings(raw[at:], n, self._fail, f"metadata {key!r}")
+                at += sum(8 + len(v.encode()) for v in values)
+            else:
+                values = np.frombuffer(raw, SCALARS[item], n, at)
+                at += values.nbytes
+                values = (values != 0).tolist() if item == GGUFValueType.BOOL else values.tolist()
+            out.append(values)
+        return out
+
+    def _bytes(self, field: Field, key: str) -> bytes:
+        raw = os.pread(self._fd(), field.end - field.start, field.start)
+        if len(raw) != field.end - field.start:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} cannot be read: the file was cut short "
+                                  f"since it was opened")
+        return raw
+
+    def _fd(self) -> int:
+        if self._fh is None:
+            raise ValueError(f"{self.path}: read from a closed file")
+        return self._fh.fileno()
+
+    def data(self, tensor: Tensor) -> np.ndarray:
+        """A tensor's bytes as stored, read with pread: a file cut short since it was opened is named.
+
+        The padding after them must be zeros, as every writer leaves it: a type or dims that give fewer
+        bytes than the tensor's data holds would otherwise read part of it as something else.
+        """
+        raw = np.empty(tensor.span, dtype=np.uint8)
+        if tensor.span and os.preadv(self._fd(), [raw], tensor.offset) != tensor.span:
+            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} cannot be read: the file was cut short "
+                                  f"since it was opened")
+        if raw[tensor.nbytes:].any():
+            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} ({tensor.type.name}, dims "
+                                  f"{list(tensor.dims)}) takes {tensor.nbytes} bytes, but the padding after them "
+                                  f"is not zeros: its type or dims disagree with its data")
+        return raw[:tensor.nbytes]
+
+    def close(self):
+        if self._fh is not None:
+            self._fh.close()
+        self._fh = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class GGUFFile(GGUFHeader):
+    """A GGUF file of a supported architecture seen as a checkpoint: a config dict, and float32 tensors under
+    Hugging Face names."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        try:
+            arch = self.get("general.architecture", None)
+            if not isinstance(arch, str) or arch not in ARCHITECTURES:
+                raise UnsupportedModel(f"{self.path}: GGUF architecture {arch!r} is not supported "
+                                       f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+            self.arch = arch
+            self._tensors = {hf_name(name): t for name, t in self.tensors.items()}
+            if len(self._tensors) < len(self.tensors):
+                raise CheckpointError(f"{self.path}: two tensors take the same Hugging Face name")
+            self._check_types()
+            self.config = HFConfig(self._config(), self.path)  # plan_for's errors then name this file
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- model metadata ------------------------------------------------------------------
 
     def _int(self, key: str, default=_REQUIRED, minimum=1):
         """An integer metadata value of at least `minimum`, or `default` when absent."""
@@ -129,12 +464,12 @@ class GGUFFile:
 
     def _check_types(self):
         """Refuse, before reading a weight, any tensor type `gguf` cannot dequantize."""
-        for qtype in {t.tensor_type for t in self._tensors.values()}:
+        for qtype in {t.type for t in self._tensors.values()}:
             block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
             try:
                 dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
             except NotImplementedError:
-                name = next(t.name for t in self._tensors.values() if t.tensor_type == qtype)
+                name = next(t.name for t in self._tensors.values() if t.type == qtype)
                 raise UnsupportedModel(f"{self.path}: tensor {name!r} has type {qtype.name}, which gguf "
                                        f"cannot dequantize") from None
 
@@ -153,7 +488,7 @@ class GGUFFile:
         n_heads = self._int("{arch}.attention.head_count")
         n_kv_heads = self._int("{arch}.attention.head_count_kv", n_heads)
         embed = self._tensors.get("model.embed_tokens.weight")
-        vocab = self.get("{arch}.vocab_size", None) or (int(embed.shape[-1]) if embed is not None else None)
+        vocab = self.get("{arch}.vocab_size", None) or (embed.dims[-1] if embed is not None else None)
         config = dict(
             model_type=model_type,
             hidden_size=self._int("{arch}.embedding_length"),
@@ -204,17 +539,22 @@ class GGUFFile:
 
     def info(self, name: str) -> TensorInfo:
         t = self._tensor(name)
-        return TensorInfo(t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), self.path)
+        return TensorInfo(t.type.name, tuple(reversed(t.dims)), self.path)
 
     def nbytes(self, name: str) -> int:
         """Bytes of the tensor in the file, as stored (quantized)."""
-        return int(self._tensor(name).n_bytes)
+        return self._tensor(name).nbytes
 
     def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
         """The tensor dequantized to float32, in Hugging Face's layout (bf16 is accepted for Checkpoint's surface)."""
         t = self._tensor(name)
         shape = self.info(name).shape
-        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+        if not t.nbytes:
+            return torch.zeros(shape)
+        raw = self.data(t)
+        block, type_size = gguf.GGML_QUANT_SIZES[t.type]
+        rows = dequantize(raw.reshape(-1, t.dims[0] // block * type_size), t.type)
+        weight = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(shape))
         if ARCHITECTURES[self.arch][1] and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                           "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
@@ -231,16 +571,6 @@ class GGUFFile:
         if name not in self._tensors:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         return self._tensors[name]
-
-    def close(self):
-        self.reader = None
-        self._tensors = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     # ---- tokenizer -----------------------------------------------------------------------
 
