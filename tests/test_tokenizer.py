@@ -21,8 +21,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "tokenizers"
 FILES = [("smollm2", "tokenizer.json"), ("smollm2", "tokenizer.split_form.json"), ("qwen2", "tokenizer.json")]
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # from the fixtures' README
+HELLO = [{"role": "user", "content": "Hello!"}]
 CONVERSATIONS = [
-    [{"role": "user", "content": "Hello!"}],
+    HELLO,
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "2+2?"},
      {"role": "assistant", "content": "Four."},
      {"role": "user", "content": "Ünïcödé, 日本語, <|im_end|> and \"quotes\""}],
@@ -95,8 +96,8 @@ def parts(name):
 def test_tokenizer_from_parts_equals_the_loaded_one(name, pattern, normalizer):
     tokens, merges, added = parts(name)
     loaded = load(name)
-    tok = Tokenizer(tokens, merges, pattern=pattern, added=added, normalizer=normalizer,
-                    bos_ids=loaded.bos_ids, eos_ids=loaded.eos_ids)
+    tok = Tokenizer(tokens, merges, pattern=pattern, added=added, normalizer=normalizer, bos_ids=loaded.bos_ids,
+                    eos_ids=loaded.eos_ids, add_bos=False, add_eos=False)  # as the files' configs say
     assert (tok.pattern, tok.n_vocab) == (pattern, loaded.n_vocab)
     texts = [r["text"] for r in records(name)]
     assert tok.encode_batch(texts, allow_special=True) == loaded.encode_batch(texts, allow_special=True)
@@ -183,9 +184,9 @@ def test_a_template_that_raises_gives_its_message():
     with pytest.raises(ValueError, match="chat template: Conversations must start with the user"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
     with pytest.raises(ValueError, match="no chat_template"):
-        byte_tokenizer().apply_chat_template([])
+        byte_tokenizer().apply_chat_template(HELLO)
     with pytest.raises(ValueError, match="chat template: Expected an expression"):
-        byte_tokenizer(chat_template="{% for %}").apply_chat_template([])
+        byte_tokenizer(chat_template="{% for %}").apply_chat_template(HELLO)
 
 
 @pytest.mark.parametrize("escape", [
@@ -195,7 +196,7 @@ def test_a_template_that_raises_gives_its_message():
 ])
 def test_sandbox_refuses_escape_attempts(escape):
     with pytest.raises(ValueError, match="chat template: .*unsafe"):
-        byte_tokenizer(chat_template=escape).apply_chat_template([])
+        byte_tokenizer(chat_template=escape).apply_chat_template(HELLO)
 
 
 def test_unencodable_character_is_refused_not_dropped():
@@ -297,3 +298,85 @@ def test_other_kinds_load_encode_and_decode(kind, tmp_path):
         tok.pretokenize(b"hi")
     with pytest.raises(ValueError, match="id 100000 at position 0"):
         tok.decode([100000])
+
+
+WIDE_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|用户|>", "<|thinking|>"]
+
+
+def byte_level_bpe(directory, specials, non_special=(), config=None):
+    """A byte-level BPE trained on the corpus, with added tokens, saved with a tokenizer_config.json."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = (FIXTURES / "sample_corpus.txt").read_text(encoding="utf-8").split("\n")
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials),
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([tokenizers.AddedToken(t, special=False) for t in non_special])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config or {}))
+    return tok, lines
+
+
+def test_added_tokens_are_their_text_not_byte_level_spelling(tmp_path):
+    ref, lines = byte_level_bpe(tmp_path, WIDE_SPECIALS, config={"bos_token": WIDE_SPECIALS[0],
+                                                                 "eos_token": WIDE_SPECIALS[1], "add_bos_token": True})
+    tok = Tokenizer.from_pretrained(tmp_path)
+    bos, eos = (ref.token_to_id(t) for t in WIDE_SPECIALS[:2])
+    assert (tok.bos_ids, tok.eos_ids, tok.n_vocab) == ((bos,), (eos,), ref.get_vocab_size())
+    texts = [f"{WIDE_SPECIALS[0]}{line}<|用户|> x<|thinking|>{WIDE_SPECIALS[1]}" for line in lines]
+    assert tok.encode_batch(texts, allow_special=True, add_special_tokens=False) == [
+        e.ids for e in ref.encode_batch(texts, add_special_tokens=False)]
+    for text in texts[:20]:
+        ids = tok.encode(text, allow_special=True)
+        assert ids[0] == bos
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False) == WIDE_SPECIALS[0] + text
+        assert tok.decode_bytes(ids) == (WIDE_SPECIALS[0] + text).encode()
+
+
+def test_added_tokens_not_special_match_only_with_allow_special(tmp_path):
+    ref, lines = byte_level_bpe(tmp_path, ["<s>"], non_special=["<think>", "</think>", "日本"])
+    tok = Tokenizer.from_pretrained(tmp_path)
+    plain = json.loads(ref.to_str())
+    without_added = tokenizers.Tokenizer.from_str(json.dumps({**plain, "added_tokens": []}))
+    texts = [f"<think>{line}</think> 日本<s>" for line in lines]
+    assert [t.special for t in ref.get_added_tokens_decoder().values()] == [True, False, False, False]
+    assert tok.encode_batch(texts, allow_special=True) == [e.ids for e in ref.encode_batch(texts)]
+    assert tok.encode_batch(texts) == [e.ids for e in without_added.encode_batch(texts)]
+    assert tok.encode_batch(texts) != tok.encode_batch(texts, allow_special=True)
+
+
+def test_added_tokens_keep_their_ids_above_the_tokens():
+    tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"<|pad|>", b" x"]
+    merges = [(b"a", b"b"), (b"ab", b"c")]
+    added = {"<|eot|>": 300, "<|pad|>": 258, "<｜end▁of▁sentence｜>": 280}
+    tok = Tokenizer(tokens, merges, pattern="gpt2", added=added)
+    vocab = {BYTE_CHARS[b]: b for b in range(256)} | {"ab": 256, "abc": 257, "Ġx": 259, **added}
+    ref = tokenizers.Tokenizer(models.BPE(vocab, [("a", "b"), ("ab", "c")]))
+    ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ref.decoder = decoders.ByteLevel()
+    ref.add_special_tokens(list(added))
+    assert tok.n_vocab == 301 == max(ref.get_vocab().values()) + 1
+    text = "abc<|eot|> x<|pad|>abcd<｜end▁of▁sentence｜>"
+    ids = tok.encode(text, allow_special=True)
+    assert ids == ref.encode(text).ids and {300, 258, 280} <= set(ids)
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False) == text
+    for gap in (260, 299):
+        with pytest.raises(ValueError, match=f"id {gap} at position 0 is not in the vocabulary"):
+            tok.decode([gap])
+    with pytest.raises(ValueError, match="added tokens '<a>' and '<b>' share id 300"):
+        Tokenizer(tokens, merges, pattern="gpt2", added={"<a>": 300, "<b>": 300})
+    with pytest.raises(ValueError, match=r"added token 'abc' \(id 300\) is also token 257"):
+        Tokenizer(tokens, merges, pattern="gpt2", added={"abc": 300})
+
+
+def test_bos_and_eos_given_to_the_constructor_are_put_around_the_ids():
+    ref = reference("smollm2")
+    tokens, merges, added = parts("smollm2")
+    bos, eos, eot = (ref.token_to_id(t) for t in ("<|im_start|>", "<|endoftext|>", "<|im_end|>"))
+    text = "Hello there, 123!"
+    for options, before, after in [({}, [bos], [eos]), ({"add_bos": False}, [], [eos]),
+                                   ({"add_eos": False}, [bos], []), ({"add_bos": False, "add_eos": False}, [], [])]:
+        tok = Tokenizer(tokens, merges, pattern="smollm", added=added, bos_ids=[bos], eos_ids=[eos, eot], **options)
+        assert tok.encode(text) == before + ref.encode(text, add_special_tokens=False).ids + after
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False).ids
+    assert Tokenizer(tokens, merges, pattern="smollm", added=added).encode(text) == ref.encode(text).ids

@@ -1,22 +1,18 @@
 """Text to token ids and back, with the ids of the Hugging Face `tokenizers` library.
 
 `tokenizers` runs the BPE; this module adds what it leaves to the caller: the config around
-`tokenizer.json` (BOS/EOS, chat template), a byte-level BPE built from parts (as a GGUF carries it),
-ids checked against the vocabulary, and text the vocabulary cannot encode refused by name rather
-than silently dropped.
+`tokenizer.json` (BOS/EOS, chat templates, which chat.py renders), a byte-level BPE built from parts
+(as a GGUF carries it), ids checked against the vocabulary, and text the vocabulary cannot encode
+refused by name rather than silently dropped.
 """
 
 import json
 import re
-from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import chat
 from .config import MAX_VOCAB, parse_json, read_json, read_text
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -69,28 +65,42 @@ class Tokenizer:
     """
 
     def __init__(self, tokens, merges, *, pattern, added=None, normalizer=None, bos_ids=(), eos_ids=(),
-                 add_bos=False, add_eos=False, ignore_merges=False, chat_template=None, source="<tokens>"):
+                 add_bos=None, add_eos=None, ignore_merges=False, chat_template=None, special_tokens=None,
+                 source="<tokens>"):
         """A byte-level BPE from its parts, as a GGUF's `tokenizer.ggml.*` metadata carries them.
 
         `tokens`: each id's bytes, in id order; `merges`: (left, right) byte pairs, in rank order;
         `pattern`: a name in PATTERNS, a regex, or a sequence of regexes; `added`: {text: id} of the
-        special tokens; `normalizer`: a name in NORMALIZERS. `bos_ids`/`eos_ids`: the tokens that
-        begin/end a sequence; the first one is what `add_bos`/`add_eos` adds and what a chat template
-        sees as bos_token/eos_token, and a generation may stop at any of `eos_ids`.
+        added (special) tokens, at their own ids, within the tokens or above them; `normalizer`: a name
+        in NORMALIZERS. `bos_ids`/`eos_ids`: the tokens that begin/end a sequence; encode puts the first
+        of each around the ids (unless `add_bos`/`add_eos` is False), a chat template sees their text as
+        bos_token/eos_token, and a generation may stop at any of `eos_ids`. `chat_template`: a template,
+        or {name: template}; `special_tokens`: {bos_token: text, ...} for the template, instead of those.
         """
         if isinstance(pattern, str) and pattern not in PATTERNS and re.fullmatch(r"\w+", pattern):
             raise ValueError(f"{source}: pattern {pattern!r} is not a name in PATTERNS {sorted(PATTERNS)}")
         regexes = PATTERNS.get(pattern) or ((pattern,) if isinstance(pattern, str) else tuple(pattern))
+        added = dict(added or {})
+        ids = {i: text for text, i in added.items()}
+        for text, i in added.items():
+            if not (isinstance(text, str) and text and isinstance(i, int) and 0 <= i < MAX_VOCAB):
+                raise ValueError(f"{source}: added token {text!r}: {i!r}, expected a non-empty text and an id "
+                                 f"below {MAX_VOCAB}")
+            if ids[i] != text:
+                raise ValueError(f"{source}: added tokens {text!r} and {ids[i]!r} share id {i}")
         vocab = {}
         for i, token in enumerate(tokens):
-            if (first := vocab.setdefault(_spell(token), i)) != i:
+            if i not in ids and (first := vocab.setdefault(_spell(token), i)) != i:
                 raise TokenizerError(f"{source}: token {i} {bytes(token)!r} repeats token {first}")
+        for text, i in added.items():
+            if vocab.setdefault(text, i) != i:
+                raise TokenizerError(f"{source}: added token {text!r} (id {i}) is also token {vocab[text]}")
         if normalizer is not None and normalizer not in NORMALIZERS:
             raise ValueError(f"{source}: normalizer {normalizer!r} is not one of {NORMALIZERS}")
         spec = {
             "version": "1.0",
             "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for text, i in (added or {}).items()],
+                              "normalized": False, "special": True} for text, i in added.items()],
             "normalizer": normalizer and {"type": normalizer},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 *({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in regexes),
@@ -100,15 +110,20 @@ class Tokenizer:
                       "ignore_merges": ignore_merges, "unk_token": None, "byte_fallback": False},
         }
         bos_ids, eos_ids = tuple(bos_ids), tuple(eos_ids)
-        self._bind(json.dumps(spec), spec, source, bos_ids, eos_ids, list(bos_ids[:1]) if add_bos else [],
-                   list(eos_ids[:1]) if add_eos else [], chat_template)
+        prefix = list(bos_ids[:1]) if add_bos is not False else []
+        suffix = list(eos_ids[:1]) if add_eos is not False else []
+        self._bind(json.dumps(spec), spec, source, bos_ids, eos_ids, prefix, suffix, chat_template)
+        if special_tokens is None:
+            special_tokens = {"bos_token": self._token_text(bos_ids), "eos_token": self._token_text(eos_ids)}
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
         """Load a directory with `tokenizer.json`, the `tokenizer.json` itself, or a GGUF file (its metadata).
 
-        Beside it, `tokenizer_config.json` gives bos_token/eos_token, add_bos_token/add_eos_token and
-        chat_template (`chat_template.jinja` takes precedence); without add_*_token, encode adds what the
+        Beside it, `tokenizer_config.json` gives the special tokens (bos_token, eos_token, pad_token, ...),
+        add_bos_token/add_eos_token and chat_template (`chat_template.jinja` and
+        `additional_chat_templates/*.jinja` take precedence); without add_*_token, encode adds what the
         file's TemplateProcessing post-processor adds.
         """
         from .gguf import GGUFFile, is_gguf
@@ -129,11 +144,7 @@ class Tokenizer:
             raise TokenizerError(f"{file}: model.type {model.get('type')!r} is not one of {MODELS}")
         config_file = file.parent / "tokenizer_config.json"
         config = read_json(config_file, TokenizerError) if config_file.is_file() else {}
-        template_file = file.parent / "chat_template.jinja"
-        if template_file.is_file():
-            template = read_text(template_file, TokenizerError)
-        else:
-            template = _chat_template(config.get("chat_template"), config_file)
+        template = _chat_templates(file.parent, config.get("chat_template"), config_file)
 
         try:
             backend = tokenizers.Tokenizer.from_str(text)
@@ -142,18 +153,22 @@ class Tokenizer:
                 raise
             raise TokenizerError(f"{file}: tokenizers cannot load it: {e}") from None
 
-        def ids_of(key):
+        def content(key):
             token = config.get(key)
-            content = token.get("content") if isinstance(token, dict) else token
-            if content is None:
+            text = token.get("content") if isinstance(token, dict) else token
+            if text is not None and not isinstance(text, str):
+                raise TokenizerError(f"{config_file}: {key} = {text!r}, expected a token's text")
+            return text
+
+        def ids_of(key):
+            if (text := content(key)) is None:
                 return ()
-            if not isinstance(content, str):
-                raise TokenizerError(f"{config_file}: {key} = {content!r}, expected a token's text")
-            if (i := backend.token_to_id(content)) is None:
-                raise TokenizerError(f"{config_file}: {key} {content!r} is not in the vocabulary of {file}")
+            if (i := backend.token_to_id(text)) is None:
+                raise TokenizerError(f"{config_file}: {key} {text!r} is not in the vocabulary of {file}")
             return (i,)
 
         bos_ids, eos_ids = ids_of("bos_token"), ids_of("eos_token")
+        special_tokens = {key: text for key in chat.SPECIAL_TOKENS if (text := content(key)) is not None}
         before, after = _template_ends(spec.get("post_processor"))
         for key in ("add_bos_token", "add_eos_token"):
             if config.get(key) not in (None, True, False):
@@ -164,6 +179,7 @@ class Tokenizer:
             after = list(eos_ids) if config["add_eos_token"] else []
         tok = cls.__new__(cls)
         tok._bind(text, spec, str(file), bos_ids, eos_ids, before, after, template, backend)
+        tok.special_tokens = special_tokens
         return tok
 
     def _bind(self, text, spec, source, bos_ids, eos_ids, prefix, suffix, chat_template, backend=None):
@@ -177,8 +193,10 @@ class Tokenizer:
         top = max(vocab, key=vocab.get)
         if vocab[top] >= MAX_VOCAB:  # tables below are indexed by id: refuse before allocating them
             raise TokenizerError(f"{source}: token {top!r} has id {vocab[top]}, more than the {MAX_VOCAB} we allow")
-        self._plain = tokenizers.Tokenizer.from_str(text)
-        self._plain.encode_special_tokens = True  # special tokens' text is ordinary text
+        # Without allow_special every added token's text is ordinary text, the non-special ones' too
+        added = [{**token, "special": True} for token in spec.get("added_tokens") or () if isinstance(token, dict)]
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": added}) if added else text)
+        self._plain.encode_special_tokens = True
         self.source, self.chat_template = source, chat_template
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
         self.n_vocab = vocab[top] + 1
@@ -191,14 +209,17 @@ class Tokenizer:
                 self._missing = bytes(b for b, c in enumerate(BYTE_CHARS) if self._plain.token_to_id(c) is None)
 
     def _byte_table(self, vocab) -> list:
+        """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level."""
         table = [None] * self.n_vocab
+        for i, token in self._special.get_added_tokens_decoder().items():
+            table[i] = token.content.encode()
         for token, i in vocab.items():
+            if table[i] is not None:
+                continue
             try:
                 table[i] = token.translate(_TO_LATIN1).encode("latin-1")
             except UnicodeEncodeError:
                 raise TokenizerError(f"{self.source}: token {i} {token!r} is not in byte-level spelling") from None
-        for i, token in self._special.get_added_tokens_decoder().items():
-            table[i] = token.content.encode()
         return table
 
     def pretokenize(self, data) -> list[bytes]:
@@ -252,30 +273,21 @@ class Tokenizer:
             return self.decode_bytes(ids).decode("utf-8", errors="replace")
         return self._plain.decode(self._ids(ids), skip_special_tokens=False)
 
-    def apply_chat_template(self, messages, *, add_generation_prompt=True, **variables) -> str:
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, documents=None,
+                            chat_template=None, **variables) -> str:
         """The prompt for a conversation, rendered as transformers renders it (`tokenize=False`).
 
-        The template runs in jinja2's immutable sandbox with the variables transformers passes:
-        messages, bos_token, eos_token, add_generation_prompt, raise_exception, strftime_now, and
-        `variables` (tools, documents, enable_thinking, ...). The sandbox keeps the template from Python's
-        internals, files and the network; it does not bound the template's time or memory.
+        `chat_template` names one of the tokenizer's templates (by default "tool_use" when tools are
+        given and it has one, else "default"); `variables` (enable_thinking, ...) reach the template as
+        transformers hands them. The sandbox keeps the template from Python's internals, files and the
+        network; it does not bound the template's time or memory.
         """
-        if self.chat_template is None:
-            raise TokenizerError(f"{self.source}: no chat_template (tokenizer_config.json or chat_template.jinja)")
-        variables = {"tools": None, "documents": None, "bos_token": self._token_text(self.bos_ids),
-                     "eos_token": self._token_text(self.eos_ids), **variables}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            template = chat.select(self.chat_template, chat_template, tools)
+            return chat.render(template, messages, special_tokens=self.special_tokens, tools=tools,
+                               documents=documents, add_generation_prompt=add_generation_prompt, **variables)
         except Exception as e:  # the template is the checkpoint's code: any failure is its own
             raise TokenizerError(f"{self.source}: chat template: {e}") from e
-
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-        return env.from_string(self.chat_template)
 
     def _token_text(self, ids):
         return self.decode(ids[:1]) if ids else None
@@ -325,15 +337,29 @@ class Tokenizer:
                                  f"(0..{self.n_vocab - 1})")
 
 
-def _chat_template(template, config_file: Path) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or a list of named ones of which we take "default"."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is not None and not isinstance(template, str):
-        raise TokenizerError(f"{config_file}: chat_template is a {type(template).__name__}, expected a string "
-                             f"or a list of {{name, template}} with a 'default'")
-    return template
+def _chat_templates(directory: Path, template, config_file: Path):
+    """The chat template(s) beside a tokenizer.json, as transformers finds them: a string, or {name: template}.
+
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja take precedence over
+    tokenizer_config.json's chat_template, a string or a list of {name, template}.
+    """
+    named = {}
+    if (directory / "chat_template.jinja").is_file():
+        named["default"] = read_text(directory / "chat_template.jinja", TokenizerError)
+    if (directory / "additional_chat_templates").is_dir():
+        for file in sorted((directory / "additional_chat_templates").glob("*.jinja")):
+            named[file.name.removesuffix(".jinja")] = read_text(file, TokenizerError)
+    if not named and isinstance(template, list):
+        for t in template:
+            if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
+                raise TokenizerError(f"{config_file}: chat_template list entry {t!r} is not {{name, template}}")
+            named[t["name"]] = t["template"]
+    elif not named:
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{config_file}: chat_template is a {type(template).__name__}, expected a string "
+                                 f"or a list of {{name, template}}")
+        return template
+    return named["default"] if list(named) == ["default"] else named
 
 
 def _steps(component) -> list[dict]:
@@ -376,12 +402,3 @@ def _template_ends(post_processor) -> tuple[list[int], list[int]]:
                    for part in (pieces[:cut], pieces[cut + 1:])]
             return ids[0], ids[1]
     return [], []
-
-
-def _raise_exception(message):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """transformers' tojson: no HTML escaping, and json.dumps' options."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
