@@ -168,7 +168,7 @@ class Tokenizer:
             return (i,)
 
         bos_ids, eos_ids = ids_of("bos_token"), ids_of("eos_token")
-        special_tokens = {key: text for key in chat.SPECIAL_TOKENS if (text := content(key)) is not None}
+        special_tokens = {key: content(key) for key in chat.SPECIAL_TOKENS if content(key) is not None}
         before, after = _template_ends(spec.get("post_processor"))
         for key in ("add_bos_token", "add_eos_token"):
             if config.get(key) not in (None, True, False):
@@ -194,8 +194,12 @@ class Tokenizer:
         if vocab[top] >= MAX_VOCAB:  # tables below are indexed by id: refuse before allocating them
             raise TokenizerError(f"{source}: token {top!r} has id {vocab[top]}, more than the {MAX_VOCAB} we allow")
         # Without allow_special every added token's text is ordinary text, the non-special ones' too
-        added = [{**token, "special": True} for token in spec.get("added_tokens") or () if isinstance(token, dict)]
-        self._plain = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": added}) if added else text)
+        if all(token.special for token in self._special.get_added_tokens_decoder().values()):
+            self._plain = tokenizers.Tokenizer.from_str(text)
+        else:
+            plain = json.loads(self._special.to_str())  # as `tokenizers` understood the file
+            plain["added_tokens"] = [{**token, "special": True} for token in plain["added_tokens"]]
+            self._plain = tokenizers.Tokenizer.from_str(json.dumps(plain))
         self._plain.encode_special_tokens = True
         self.source, self.chat_template = source, chat_template
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
