@@ -15,6 +15,9 @@ torch._weight_int8pack_mm (bf16 profile) or dequantize per call (fp32). Off CPU,
 are plain nn.Linear. bfloat16 weights in the fp32 profile are upcast per call: exact arithmetic, slower.
 """
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +33,25 @@ PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf1
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
 BF16_KERNEL_ROWS = 8  # and lmstack's bfloat16 kernel beats F.linear
+
+
+_ROW_INVARIANT = threading.local()
+
+
+@contextmanager
+def row_invariant():
+    """Within it (in this thread), bfloat16 and int8 matmuls take lmstack's kernels whatever the number of rows, so
+    a row's arithmetic never depends on how many rows share the call: F.linear picks its kernel by shape."""
+    previous = getattr(_ROW_INVARIANT, "on", False)
+    _ROW_INVARIANT.on = True
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.on = previous
+
+
+def _row_invariant() -> bool:
+    return getattr(_ROW_INVARIANT, "on", False)
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -103,7 +125,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if self.kernel and rows <= INT8_KERNEL_ROWS:
+        if self.kernel and (rows <= INT8_KERNEL_ROWS or _row_invariant()):
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
         if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
@@ -158,7 +180,7 @@ class MatvecLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
-        if x.numel() <= BF16_KERNEL_ROWS * self.weight.shape[1]:
+        if x.numel() <= BF16_KERNEL_ROWS * self.weight.shape[1] or _row_invariant():
             return kernels.matvec_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

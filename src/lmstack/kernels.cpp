@@ -420,6 +420,86 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return y;
 }
 
+// Tokens of many sequences, each reading its own keys through a block table: token t, of sequence seqs[t] at
+// position positions[t] = p, attends with each q head to its kv head's keys at positions max(0, p - window + 1)..p
+// (window 0: from 0). Pools (n_blocks, KV, block_size, D); tables (S, max_blocks) int64; q (T, H, D) -> (T, H * D).
+// Each (token, head) is computed alone, in an order set by its position and the block size only: the same
+// numbers whatever else is in the batch, decode or prefill.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& tables, const at::Tensor& seqs, const at::Tensor& positions,
+                           int64_t window) {
+  check_cpu(q, q.scalar_type(), "paged_attention: q", 3);
+  check_cpu(k_pool, q.scalar_type(), "paged_attention: k_pool", 4);
+  check_cpu(v_pool, q.scalar_type(), "paged_attention: v_pool", 4);
+  check_cpu(tables, at::kLong, "paged_attention: tables", 2);
+  check_cpu(seqs, at::kLong, "paged_attention: seqs", 1);
+  check_cpu(positions, at::kLong, "paged_attention: positions", 1);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), n_blocks = k_pool.size(0), KV = k_pool.size(1);
+  const int64_t size = k_pool.size(2), S = tables.size(0), width = tables.size(1);
+  TORCH_CHECK(KV > 0 && H % KV == 0 && k_pool.sizes() == v_pool.sizes() && k_pool.size(3) == D,
+              "paged_attention: q ", q.sizes(), " does not fit pools ", k_pool.sizes());
+  TORCH_CHECK(seqs.size(0) == T && positions.size(0) == T, "paged_attention: seqs and positions need ", T, " entries");
+  const int64_t *tp = tables.data_ptr<int64_t>(), *sp = seqs.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
+  int64_t longest = 1;
+  for (int64_t t = 0; t < T; t++) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S && pp[t] >= 0 && pp[t] < width * size, "paged_attention: token ", t,
+                " (sequence ", sp[t], ", position ", pp[t], ") outside tables ", tables.sizes());
+    longest = std::max(longest, pp[t] + 1);
+  }
+  for (int64_t i = 0; i < S * width; i++)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < n_blocks, "paged_attention: block ", tp[i], " outside a pool of ", n_blocks);
+  at::Tensor y = at::empty({T, H * D}, q.options());
+  const int64_t group = H / KV;
+  const float scale = 1.0f / std::sqrt(float(D));
+  with_type(q, "paged_attention: q", [&]<typename E>() {
+    const E *qp = static_cast<const E*>(q.data_ptr()), *kc = static_cast<const E*>(k_pool.data_ptr());
+    const E* vc = static_cast<const E*>(v_pool.data_ptr());
+    E* yp = static_cast<E*>(y.data_ptr());
+    at::parallel_for(0, T * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (longest * D)), [&](int64_t begin, int64_t end) {
+      std::vector<float> query(D), out(D + 64), scores(longest + 16);
+      for (int64_t th = begin; th < end; th++) {
+        const int64_t t = th / H, g = (th % H) / group, p = pp[t];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, length = p + 1 - lo;
+        const int64_t* table = tp + sp[t] * width;
+        auto row = [&](const E* pool, int64_t s) { return pool + ((table[s / size] * KV + g) * size + s % size) * D; };
+        for (int64_t d = 0; d < D; d++) query[d] = float(qp[th * D + d]) * scale;
+        for (int64_t s = lo; s <= p;) {
+          if (s % size + 4 <= size && s + 3 <= p) {  // four keys in a row of one block
+            dot_q_4k(query.data(), row(kc, s), D, scores.data() + s - lo);
+            s += 4;
+          } else {
+            scores[s - lo] = dot_q_k(query.data(), row(kc, s), D);
+            s += 1;
+          }
+        }
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t s = 0; s < length; s += 16)
+          top = _mm512_mask_max_ps(top, first(length - s), top, _mm512_loadu_ps(scores.data() + s));
+        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t s = 0; s < length; s += 16) {
+          const __m512 e =
+              _mm512_maskz_mov_ps(first(length - s), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), most)));
+          _mm512_storeu_ps(scores.data() + s, e);
+          sums = _mm512_add_ps(sums, e);
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {  // the weighted sum of values, 64 of D held in registers
+          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t s = lo; s <= p; s++) {
+            const __m512 w = _mm512_set1_ps(scores[s - lo]);
+            const E* v = row(vc, s) + d0;
+            for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(w, load(v + 16 * c, first(D - d0 - 16 * c)), acc[c]);
+          }
+          for (int c = 0; c < 4; c++) store(out.data() + d0 + 16 * c, first(D - d0 - 16 * c), acc[c]);
+        }
+        const float total = _mm512_reduce_add_ps(sums);
+        for (int64_t d = 0; d < D; d++) yp[th * D + d] = E(out[d] / total);
+      }
+    });
+  });
+  return y;
+}
+
 // rounded(silu(gate)) * up for x = [gate | up] along the last dimension, rounded as the reference rounds
 at::Tensor silu_mul(const at::Tensor& x_) {
   const at::Tensor x = x_.contiguous();
@@ -459,4 +539,8 @@ TORCH_LIBRARY(lmstack, m) {
       rope_into_cache);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention);
   m.def("silu_mul(Tensor x) -> Tensor", silu_mul);
+  m.def(
+      "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seqs, Tensor positions, "
+      "int window) -> Tensor",
+      paged_attention);
 }

@@ -103,6 +103,12 @@ def decode_attention(q, k_cache, v_cache, length: int) -> torch.Tensor:
     return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length)
 
 
+def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int) -> torch.Tensor:
+    """Tokens of many sequences, each attending through its block table: q (T, H, D), pools (blocks, KV, size, D),
+    tables (S, max_blocks), seqs and positions (T,) int64; window 0: no window. Returns (T, H * D)."""
+    return torch.ops.lmstack.paged_attention(q.contiguous(), k_pool, v_pool, tables, seqs, positions, window)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
     return torch.ops.lmstack.silu_mul(gate_up)

@@ -15,7 +15,7 @@ from torch import nn
 
 from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
-from .blocks.transformer import AttentionContext, RMSNorm, TransformerBlock
+from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
 from .config import HFConfig, ModelPlan, plan_for, read_json
 from .formats import QUANTIZED, check_format, convert, head_projection, resolve
@@ -387,6 +387,32 @@ class CausalLM:
             raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
         layers = [b.new_cache(batch_size, max_tokens, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
         return CausalLMState(batch_size, max_tokens, layers, owner=self)
+
+    def allocate_pages(self, n_blocks: int, block_size: int) -> list:
+        """A paged KV pool of a transformer: per layer, n_blocks blocks of block_size slots (blocks/transformer.py)."""
+        if self.rotary is None:
+            raise ValueError(f"a {self.plan.kind} model keeps a recurrent state, not KV pages")
+        return [b.new_pages(n_blocks, block_size, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
+
+    def page_bytes(self, block_size: int) -> int:
+        """The memory one block of block_size slots takes, over every layer's keys and values."""
+        o = self.plan.block_options
+        return 2 * self.plan.n_layers * o["n_kv_heads"] * o["head_dim"] * block_size * self.dtype.itemsize
+
+    @torch.no_grad()
+    def forward_paged(self, ids, positions, seqs, tables, slots, pages, rows) -> torch.Tensor:
+        """Tokens of many sequences in one forward, reading and writing keys and values through block tables.
+
+        ids, positions, seqs, slots (T,): each token, its position, its sequence (row of `tables`, (S, max_blocks))
+        and the pool slot its keys and values go to; `pages` from allocate_pages. Returns float32 logits
+        (len(rows), vocab) at the flat token indices `rows`.
+        """
+        x = F.embedding(ids, self.embed)[None]
+        cos, sin = self.rotary(positions[None], self.dtype)
+        ctx = PagedContext(cos, sin, slots, tables, seqs, positions)
+        for block, layer_pages in zip(self.blocks, pages):
+            x = block(x, layer_pages, ctx)
+        return self._logits(x[:, rows]).float()[0]
 
     def reset_state(self, state: CausalLMState) -> CausalLMState:
         """The state emptied for reuse, in place (capacity and batch size kept); stale cache contents are

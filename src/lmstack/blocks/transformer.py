@@ -49,6 +49,57 @@ class AttentionContext:
     masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal
 
 
+@dataclass
+class PagedKV:
+    """One layer's share of a paged KV pool: fixed-size blocks of slots that any sequence may own, in any order."""
+
+    k: torch.Tensor  # (n_blocks, n_kv_heads, block_size, head_dim)
+    v: torch.Tensor
+
+
+@dataclass
+class PagedContext:
+    """Tokens of many sequences laid out in one row (1, T), each reading its sequence's keys through a block table."""
+
+    cos: torch.Tensor  # (1, T, 1, head_dim)
+    sin: torch.Tensor
+    slots: torch.Tensor  # (T,) pool slot (block * block_size + offset) each token's k and v are written to
+    tables: torch.Tensor  # (S, max_blocks) int64: each sequence's blocks in order
+    seqs: torch.Tensor  # (T,) each token's sequence (row of tables)
+    positions: torch.Tensor  # (T,) each token's position: it attends to its sequence's positions up to it
+
+
+def paged_attention(q, cache: PagedKV, ctx: PagedContext, window: int | None) -> torch.Tensor:
+    """q (T, H, D) -> (T, H * D): token t attends to positions max(0, p - window + 1)..p of its sequence, p its
+    position. Each (token, head) is computed alone, in the same order whatever the other tokens are."""
+    if kernels.usable(q):
+        return kernels.paged_attention(q, cache.k, cache.v, ctx.tables, ctx.seqs, ctx.positions, window or 0)
+    return _paged_attention_reference(q, cache, ctx, window)
+
+
+def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int | None) -> torch.Tensor:
+    """PyTorch's operators, one sequence at a time, in float64 rounded once to q's dtype: where the kernel cannot run,
+    other rows change a result only when float64 sums that differ in their last bits round differently."""
+    T, H, D = q.shape
+    n_blocks, KV, size, _ = cache.k.shape
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    for s in ctx.seqs.unique().tolist():
+        rows = (ctx.seqs == s).nonzero()[:, 0]
+        positions = ctx.positions[rows]
+        n = int(positions.max()) + 1
+        blocks = ctx.tables[s, :(n + size - 1) // size]
+        k, v = (c[blocks].transpose(0, 1).reshape(KV, -1, D)[:, :n].double() for c in (cache.k, cache.v))
+        k, v = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)  # (H, n, D)
+        scores = (q[rows].transpose(0, 1).double() @ k.transpose(1, 2)) / D ** 0.5  # (H, L, n)
+        keys = torch.arange(n, device=q.device)
+        allowed = keys[None] <= positions[:, None]
+        if window is not None:
+            allowed &= positions[:, None] - keys[None] < window
+        y = scores.masked_fill(~allowed, -torch.inf).softmax(-1) @ v
+        out[rows] = y.transpose(0, 1).to(q.dtype)
+    return out.view(T, H * D)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window):
         super().__init__()
@@ -64,6 +115,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, L, H + 2 * KV, self.head_dim)
         if self.q_norm is not None:
             qkv = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV]), qkv[:, :, H + KV:]), dim=2)
+        if isinstance(ctx, PagedContext):
+            return self.o(self._paged(qkv[0], cache, ctx)[None])
         mask = ctx.masks[self.window]
         if cache is not None and kernels.usable(qkv):
             q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
@@ -87,6 +140,17 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
                                                enable_gqa=gqa)
         return self.o(y.transpose(1, 2).reshape(B, L, H * self.head_dim))
+
+
+    def _paged(self, qkv: torch.Tensor, cache: PagedKV, ctx: PagedContext) -> torch.Tensor:
+        """qkv (T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
+        H, KV = self.n_heads, self.n_kv_heads
+        qk = apply_rotary(qkv[None, :, :H + KV], ctx.cos, ctx.sin)[0]
+        size = cache.k.shape[2]
+        blocks, offsets = ctx.slots // size, ctx.slots % size
+        cache.k[blocks, :, offsets] = qk[:, H:]
+        cache.v[blocks, :, offsets] = qkv[:, H + KV:]
+        return paged_attention(qk[:, :H], cache, ctx, self.window)
 
 
 class MLP(nn.Module):
@@ -124,3 +188,8 @@ class TransformerBlock(nn.Module):
         a = self.attn
         shape = (batch, a.n_kv_heads, max_tokens, a.head_dim)
         return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def new_pages(self, n_blocks: int, block_size: int, dtype, device) -> PagedKV:
+        a = self.attn
+        shape = (n_blocks, a.n_kv_heads, block_size, a.head_dim)
+        return PagedKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -1,0 +1,209 @@
+"""The engine: concurrent requests give what each gives alone; prefix hits, chunking and preemption change nothing."""
+
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from lmstack import CausalLM
+from lmstack.engine import Engine, EngineError
+
+VOCAB = 256
+
+
+def prompts(n, seed=0, shortest=1, longest=40):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return CausalLM.load(tiny_checkpoint("llama_tied_gqa")[0])
+
+
+@pytest.fixture(scope="module")
+def mistral(tiny_checkpoint):  # a sliding window of 5
+    return CausalLM.load(tiny_checkpoint("mistral_window")[0])
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tiny_checkpoint):
+    return CausalLM.load(tiny_checkpoint("llama_bf16")[0], weight_format="bfloat16")
+
+
+def engine_for(model, blocks=64, **options):
+    return Engine(model, kv_cache_memory=blocks * model.page_bytes(options.get("block_size", 16)), **options)
+
+
+def alone(model, prompt, **request):
+    """The request run by itself, in a fresh engine: the oracle for every concurrent run."""
+    return list(engine_for(model).add(prompt, **request))
+
+
+class Recorder:
+    """Wraps an engine's runner to keep the logits each sequence sampled from, in order."""
+
+    def __init__(self, engine):
+        self.logits, run = {}, engine.runner.run
+
+        def recording(batch):
+            results = run(batch)
+            for seq, logits in results:
+                self.logits.setdefault(seq.arrival, []).append(logits.clone())
+            return results
+
+        engine.runner.run = recording
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16"])
+def test_sixteen_concurrent_requests_equal_each_alone(request, name):
+    model = request.getfixturevalue(name)
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.95)
+    cases = [(p, dict(max_tokens=12, **(dict(sampled, seed=i) if i % 2 else {})))
+             for i, p in enumerate(prompts(16, seed=1))]
+    with engine_for(model, max_prefill_tokens=24) as engine:
+        handles = [engine.add(p, **r) for p, r in cases]
+        together = [list(h) for h in handles]
+    assert all(h.finish_reason == "length" for h in handles)
+    assert together == [alone(model, p, **r) for p, r in cases]
+
+
+def test_greedy_engine_matches_generate(llama):
+    for prompt in prompts(4, seed=2):
+        engine = engine_for(llama)
+        assert list(engine.add(prompt, max_tokens=8)) == llama.generate([prompt], 8)[0, len(prompt):].tolist()
+
+
+def test_prefix_hit_gives_the_logits_of_a_cold_prefill(llama):
+    prompt = prompts(1, seed=3, shortest=40)[0]
+    engine = engine_for(llama)
+    recorder = Recorder(engine)
+    cold = engine.add(prompt, max_tokens=3)
+    list(cold)
+    warm = engine.add(prompt[:37] + [5, 6], max_tokens=3)  # shares two full blocks of 16
+    list(warm)
+    assert engine.stats()["prefix_hits"] == 2
+    other = engine_for(llama)
+    other_recorder = Recorder(other)
+    list(other.add(prompt[:37] + [5, 6], max_tokens=3))
+    assert all(torch.equal(a, b) for a, b in zip(recorder.logits[1], other_recorder.logits[0]))
+    reference = llama.forward([prompt[:37] + [5, 6]])[0, -1]
+    torch.testing.assert_close(recorder.logits[1][0], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_equals_one_prefill(llama):
+    prompt = prompts(1, seed=4, shortest=40)[0]
+    runs = []
+    for chunk in (512, 7):
+        engine = engine_for(llama, max_prefill_tokens=chunk)
+        recorder = Recorder(engine)
+        tokens = list(engine.add(prompt, max_tokens=6))
+        runs.append((tokens, recorder.logits[0]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_a_pool_too_small_for_all_completes_all_through_preemption(llama):
+    cases = prompts(8, seed=5, shortest=20, longest=40)
+    engine = engine_for(llama, blocks=9)  # each request needs 2-4 blocks of 16
+    with engine:
+        handles = [engine.add(p, max_tokens=16) for p in cases]
+        together = [list(h) for h in handles]
+    assert engine.stats()["preemptions"] > 0
+    assert together == [alone(llama, p, max_tokens=16) for p in cases]
+
+
+def test_a_request_that_cannot_fit_alone_is_refused_naming_sizes(llama):
+    engine = engine_for(llama, blocks=2)
+    with pytest.raises(ValueError, match=r"need 3 KV blocks of 16 tokens; the pool holds 2"):
+        engine.add(list(range(30)), max_tokens=5)
+
+
+def test_abort_frees_the_blocks(llama):
+    with engine_for(llama) as engine:
+        handle = engine.add(prompts(1, seed=6, shortest=30)[0], max_tokens=90)
+        tokens = iter(handle)
+        next(tokens), next(tokens)
+        handle.abort()
+        rest = list(tokens)
+        assert handle.finish_reason == "abort" and len(rest) < 88
+        engine.add([1], max_tokens=1)  # a step after the abort has published its counts
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            pass
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(prompt_ids=[]), "prompt_ids is empty"),
+    (dict(prompt_ids=[1, VOCAB]), "prompt_ids holds 256"),
+    (dict(prompt_ids="hello"), "prompt_ids must be a sequence"),
+    (dict(max_tokens=0), "max_tokens must be a positive integer"),
+    (dict(prompt_ids=list(range(100)), max_tokens=40), "exceed the model's context of 128"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(presence_penalty=3), "presence_penalty"),
+    (dict(seed=-1), "seed"),
+    (dict(stop=["x"]), "stop strings need the engine's tokenizer"),
+    (dict(eos_ids=[-1]), "eos_ids"),
+])
+def test_bad_requests_are_refused_by_name_while_others_run(llama, bad, words):
+    prompt = prompts(1, seed=7, shortest=10)[0]
+    with engine_for(llama) as engine:
+        running = engine.add(prompt, max_tokens=20)
+        with pytest.raises(ValueError, match=words):
+            engine.add(**{"prompt_ids": [1, 2], "max_tokens": 4, **bad})
+        assert list(running) == alone(llama, prompt, max_tokens=20)
+
+
+def test_eos_stops_and_async_iteration(llama):
+    prompt = prompts(1, seed=8)[0]
+    free = alone(llama, prompt, max_tokens=10)
+
+    async def consume(engine):
+        handles = [engine.add(prompt, max_tokens=10, eos_ids=[free[4]]), engine.add(prompt, max_tokens=10)]
+        return [[t async for t in h] for h in handles], handles
+
+    with engine_for(llama) as engine:
+        (stopped, full), handles = asyncio.run(consume(engine))
+    assert full == free and stopped == free[:free.index(free[4]) + 1]
+    assert [h.finish_reason for h in handles] == ["stop", "length"]
+    assert handles[1].time_to_first_token > 0 and len(handles[1].time_between_tokens) == 9
+
+
+def test_close_ends_running_requests_with_an_error(llama):
+    engine = engine_for(llama).start()
+    handle = engine.add(prompts(1, seed=9)[0], max_tokens=80)
+    next(iter(handle))
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        list(handle)
+    assert handle.finish_reason == "error"
+
+
+@pytest.fixture(scope="module", params=["mamba", "mamba2"])
+def mamba(request, tmp_path_factory):
+    if request.param == "mamba":
+        config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)
+    else:
+        config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8,
+                                           head_dim=8, n_groups=1, state_size=16, chunk_size=8)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return CausalLM.load(path)
+
+
+def test_mamba_is_served(mamba):
+    cases = prompts(6, seed=10, longest=30)
+    with Engine(mamba, max_running=4, max_prefill_tokens=16) as engine:
+        handles = [engine.add(p, max_tokens=8, **(dict(temperature=1.0, seed=i) if i % 2 else {}))
+                   for i, p in enumerate(cases)]
+        together = [list(h) for h in handles]
+    for i, (p, tokens) in enumerate(zip(cases, together)):
+        if i % 2 == 0:
+            assert tokens == mamba.generate([p], 8)[0, len(p):].tolist()
+        assert tokens == list(Engine(mamba).add(p, max_tokens=8, **(dict(temperature=1.0, seed=i) if i % 2 else {})))
