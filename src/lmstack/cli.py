@@ -1,4 +1,4 @@
-"""The `lmstack` command: generate, chat, convert, info.
+"""The `lmstack` command: generate, chat, serve, convert, info, perplexity.
 
 Errors are one line on stderr and a non-zero exit; the load's progress bar goes to stderr, and
 only when it is a terminal.
@@ -81,6 +81,27 @@ def _parser() -> argparse.ArgumentParser:
     model_options(p, CHAT_TOKENS)
     p.set_defaults(run=_chat)
 
+    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    p.add_argument("--model", "-m", default=None,
+                   help="checkpoint directory, .safetensors or .gguf file, or a name (default: smollm2)")
+    weight_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: --model as given)")
+    p.add_argument("--api-key", default=os.environ.get("LMSTACK_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LMSTACK_API_KEY, else none)")
+    p.add_argument("--max-running", type=_positive, default=16, help="requests decoded together")
+    p.add_argument("--max-waiting", type=_natural, default=64, help="requests queued beyond those; more get 429")
+    p.add_argument("--kv-cache-memory", type=_size_arg, default=None, metavar="SIZE",
+                   help="KV cache pool, e.g. 2GiB (default: the engine's, see lmstack.engine)")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=512, help="prompt tokens per engine step")
+    p.add_argument("--max-tokens-limit", type=_positive, default=4096, help="the most max_tokens a request may ask")
+    p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN", help="allow these browser origins")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
+    p.set_defaults(run=_serve)
+
     p = commands.add_parser("convert", help="write a GGUF file as a Hugging Face checkpoint directory")
     p.add_argument("gguf", help=".gguf file, or a name (smollm2)")
     p.add_argument("out", type=Path, help="directory to write")
@@ -108,6 +129,30 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def _natural(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20, "G": 1e9,
+              "GB": 1e9, "GIB": 2**30}
+
+
+def _size_arg(text: str) -> int:
+    """Bytes from `1073741824`, `1GiB`, `512MiB`, `1.5GB`."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number):].strip().upper()
+    try:
+        value = float(number) * SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or a number of bytes, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
 
 
 class _Progress:
@@ -237,6 +282,20 @@ def _chat(args):
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": answer})
+
+
+def _serve(args):
+    import logging
+
+    from .server import Service, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    service = Service(args.served_model_name or args.model or models.DEFAULT, api_key=args.api_key,
+                      max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
+                      max_waiting=args.max_waiting, cors_origins=args.cors_origins)
+    serve(lambda: _load(args), service, host=args.host, port=args.port,
+          engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
+                              max_prefill_tokens=args.max_prefill_tokens))
 
 
 def _convert(args):

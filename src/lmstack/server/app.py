@@ -1,0 +1,422 @@
+"""The OpenAI-compatible HTTP routes (a Starlette app) over one Engine.
+
+`Service` holds what the routes serve: the engine once the model is loaded (until then /health and every
+model route answer 503), the settings that guard it (API key, body and max_tokens caps, queue bound) and
+the Prometheus metrics. `create_app(service)` is the ASGI app; `lmstack serve` (cli.py) runs it under
+uvicorn. A client that goes away, streaming or not, running or still queued, has its request aborted at
+once: the engine drops it at its next step and frees its KV blocks.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+import anyio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Engine, EngineError
+from ..tokenizer import TokenizerError
+from . import protocol as p
+
+log = logging.getLogger("lmstack.server")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS_LIMIT = 4096
+MAX_WAITING = 64
+TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
+
+
+class Service:
+    """The engine behind the routes, the limits in front of it, and its metrics."""
+
+    def __init__(self, name: str, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_tokens_limit: int = MAX_TOKENS_LIMIT, max_waiting: int = MAX_WAITING,
+                 cors_origins: tuple = ()):
+        self.name, self.api_key = name, api_key
+        self.max_body_bytes, self.max_tokens_limit, self.max_waiting = max_body_bytes, max_tokens_limit, max_waiting
+        self.cors_origins = tuple(cors_origins)
+        self.engine: Engine | None = None
+        self.tokenizer = None
+        self.max_running = 0
+        self.in_flight = 0  # requests handed to the engine and not yet finished
+        self.created = p.now()
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lmstack_requests", "HTTP requests answered", ["route", "status"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("lmstack_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.completion_tokens = Counter("lmstack_completion_tokens", "tokens generated", registry=self.registry)
+        self.ttft = Histogram("lmstack_time_to_first_token_seconds", "from a request's arrival at the engine to "
+                              "its first token", buckets=TOKEN_TIME_BUCKETS, registry=self.registry)
+        self.tbt = Histogram("lmstack_time_between_tokens_seconds", "gaps between a request's tokens",
+                             buckets=TOKEN_TIME_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    def load(self, model, tokenizer, *, max_running: int = 16, **engine_options):
+        """Start an engine on the loaded model (engine_options: Engine's); the routes serve from now on."""
+        engine = Engine(model, tokenizer, max_running=max_running, **engine_options)
+        engine.start()
+        self.max_running, self.tokenizer, self.engine = max_running, tokenizer, engine
+
+    def close(self):
+        """Stop the engine: requests in flight end with an error (an error event for streams)."""
+        if self.engine is not None:
+            self.engine.close()
+
+    @property
+    def context(self) -> int | None:
+        return self.engine.model.max_positions
+
+    def submit(self, ids: list[int], request, param: str):
+        """Hand a tokenized request to the engine, or an APIError saying why not."""
+        context, limit = self.context, request.token_limit
+        field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+        if context is not None and len(ids) >= context:
+            raise p.APIError(400, f"the prompt is {len(ids)} tokens; the model's context is {context} tokens, "
+                                  "and the answer needs at least one more", param=param,
+                             code="context_length_exceeded")
+        if limit is not None and limit > self.max_tokens_limit:
+            raise p.APIError(400, f"{field} {limit} is over this server's limit of {self.max_tokens_limit} "
+                                  "(lmstack serve --max-tokens-limit)", param=field)
+        if limit is None:  # until EOS or the context is full, within the server's limit
+            limit = self.max_tokens_limit if context is None else min(self.max_tokens_limit, context - len(ids))
+        elif context is not None and len(ids) + limit > context:
+            raise p.APIError(400, f"the prompt is {len(ids)} tokens and {field} is {limit}: {len(ids) + limit} in "
+                                  f"all, over the model's context of {context} tokens", param=field,
+                             code="context_length_exceeded")
+        if self.in_flight >= self.max_running + self.max_waiting:
+            raise p.APIError(429, f"the queue is full: {self.in_flight} requests in flight (lmstack serve "
+                                  f"--max-running {self.max_running} --max-waiting {self.max_waiting})",
+                             code="queue_full", headers={"Retry-After": "1"})
+        try:
+            handle = self.engine.add(ids, max_tokens=limit, **request.engine_options())
+        except ValueError as e:
+            raise p.APIError(400, str(e)) from None
+        except EngineError as e:
+            raise p.APIError(503, f"the server is shutting down ({e})") from None
+        self.in_flight += 1
+        return handle
+
+    def finished(self, handle):
+        self.in_flight -= 1
+        self.prompt_tokens.inc(handle.prompt_tokens)
+        self.completion_tokens.inc(handle.completion_tokens)
+        if handle.time_to_first_token is not None:
+            self.ttft.observe(handle.time_to_first_token)
+        for gap in handle.time_between_tokens:
+            self.tbt.observe(gap)
+
+
+class _EngineCollector:
+    """The engine's own counts, read when /metrics is scraped."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    def collect(self):
+        engine = self.service.engine
+        if engine is None:
+            return
+        s = engine.stats()
+        yield GaugeMetricFamily("lmstack_requests_running", "requests being decoded", value=s["running"])
+        yield GaugeMetricFamily("lmstack_requests_waiting", "requests queued for the engine", value=s["waiting"])
+        yield GaugeMetricFamily("lmstack_kv_cache_blocks_used", "KV cache blocks in use", value=s["kv_blocks_used"])
+        yield GaugeMetricFamily("lmstack_kv_cache_blocks_total", "KV cache blocks in the pool",
+                                value=s["kv_blocks_total"])
+        yield GaugeMetricFamily("lmstack_kv_cache_usage", "fraction of the KV cache blocks in use",
+                                value=s["kv_blocks_used"] / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0)
+        yield GaugeMetricFamily("lmstack_prefix_cache_hit_rate", "prompt blocks found in the prefix cache / "
+                                "looked up", value=s["prefix_hit_rate"])
+        yield CounterMetricFamily("lmstack_prefix_cache_queries", "prompt blocks looked up in the prefix cache",
+                                  value=s["prefix_queries"])
+        yield CounterMetricFamily("lmstack_prefix_cache_hits", "prompt blocks found in the prefix cache",
+                                  value=s["prefix_hits"])
+        yield CounterMetricFamily("lmstack_preemptions", "sequences preempted for KV blocks (recomputed later)",
+                                  value=s["preemptions"])
+
+
+class _Record:
+    """What the one log line of a request says."""
+
+    def __init__(self, request: Request):
+        self.start = time.perf_counter()
+        client = request.client
+        self.client = f"{client.host}:{client.port}" if client else "-"
+        self.route = request.url.path
+        self.method = request.method
+        self.status = 200
+        self.handle = None
+
+
+def _finish(service: Service, record: _Record):
+    handle = record.handle
+    tokens = ""
+    if handle is not None:
+        service.finished(handle)
+        ttft = handle.time_to_first_token
+        tokens = (f" prompt={handle.prompt_tokens} completion={handle.completion_tokens} "
+                  f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} finish={handle.finish_reason}")
+    service.requests.labels(record.route, str(record.status)).inc()
+    log.info('%s "%s %s" %d%s %.3fs', record.client, record.method, record.route, record.status, tokens,
+             time.perf_counter() - record.start)
+
+
+def _error(e: p.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(service: Service) -> Starlette:
+    """The ASGI app serving `service`."""
+
+    def route(path, handler, methods, *, guarded=True, needs_engine=True):
+        async def endpoint(request: Request):
+            record = _Record(request)
+            try:
+                if guarded and service.api_key is not None:
+                    _authorize(request, service.api_key)
+                if needs_engine and service.engine is None:
+                    raise p.APIError(503, "the model is still loading", code="loading")
+                response = await handler(request, record)
+            except p.APIError as e:
+                response = _error(e)
+            except Exception as e:  # a bug must still answer, never leave the client hanging
+                log.exception("%s %s failed", record.method, record.route)
+                response = _error(p.APIError(500, f"internal error: {e!r}"))
+            record.status = response.status_code
+            if not isinstance(response, _EventStream):  # a stream logs when it ends
+                _finish(service, record)
+            return response
+
+        return Route(path, endpoint, methods=methods)
+
+    async def chat(request: Request, record: _Record):
+        req = p.parse(p.ChatCompletionRequest, await _body(request, service.max_body_bytes))
+        _check_model(service, req.model)
+        ids = _chat_ids(service, req.messages, req.template_tools())
+        record.handle = handle = service.submit(ids, req, "messages")
+        ident, created = p.new_id("chatcmpl"), p.now()
+
+        def chunk(delta: p.Delta, finish=None, usage=None) -> str:
+            c = p.ChatCompletionChunk(id=ident, created=created, model=service.name, usage=usage,
+                                      choices=[] if delta is None else [p.ChatChunkChoice(delta=delta,
+                                                                                          finish_reason=finish)])
+            return c.model_dump_json(exclude=None if req.include_usage else {"usage"})
+
+        if req.stream:
+            async def chunks():
+                yield chunk(p.Delta(role="assistant", content=""))
+                async for piece in handle.atext_pieces():
+                    yield chunk(p.Delta(content=piece))
+                yield chunk(p.Delta(), finish=handle.finish_reason)
+                if req.include_usage:
+                    yield chunk(None, usage=p.Usage.of(handle))
+
+            return _EventStream(service, record, chunks())
+        text = await _collect(request, handle)
+        return JSONResponse(p.ChatCompletion(
+            id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
+            choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=handle.finish_reason)],
+        ).model_dump())
+
+    async def completions(request: Request, record: _Record):
+        req = p.parse(p.CompletionRequest, await _body(request, service.max_body_bytes))
+        _check_model(service, req.model)
+        ids = req.prompt if isinstance(req.prompt, list) else _encode(service, req.prompt, "prompt")
+        record.handle = handle = service.submit(ids, req, "prompt")
+        ident, created = p.new_id("cmpl"), p.now()
+
+        def chunk(text: str | None, finish=None, usage=None) -> str:
+            c = p.Completion(id=ident, created=created, model=service.name, usage=usage,
+                             choices=[] if text is None else [p.CompletionChoice(text=text, finish_reason=finish)])
+            return c.model_dump_json(exclude=None if req.include_usage else {"usage"})
+
+        if req.stream:
+            async def chunks():
+                async for piece in handle.atext_pieces():
+                    yield chunk(piece)
+                yield chunk("", finish=handle.finish_reason)
+                if req.include_usage:
+                    yield chunk(None, usage=p.Usage.of(handle))
+
+            return _EventStream(service, record, chunks())
+        text = await _collect(request, handle)
+        return JSONResponse(p.Completion(
+            id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
+            choices=[p.CompletionChoice(text=text, finish_reason=handle.finish_reason)]).model_dump())
+
+    async def models(request: Request, record: _Record):
+        card = p.ModelCard(id=service.name, created=service.created, max_model_len=service.context)
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    async def tokenize(request: Request, record: _Record):
+        req = p.parse(p.TokenizeRequest, await _body(request, service.max_body_bytes))
+        if req.model is not None:
+            _check_model(service, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = _chat_ids(service, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = _encode(service, req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": service.context})
+
+    async def detokenize(request: Request, record: _Record):
+        req = p.parse(p.DetokenizeRequest, await _body(request, service.max_body_bytes))
+        if req.model is not None:
+            _check_model(service, req.model)
+        try:
+            return JSONResponse({"prompt": service.tokenizer.decode(req.tokens)})
+        except ValueError as e:
+            raise p.APIError(400, str(e), param="tokens") from None
+
+    async def health(request: Request, record: _Record):
+        if service.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request, record: _Record):
+        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: HTTPException):
+        status = exc.status_code
+        message = f"no route {request.method} {request.url.path}" if status in (404, 405) else exc.detail
+        return _error(p.APIError(status, message))
+
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["*"],
+                             allow_headers=["*"])] if service.cors_origins else []
+    return Starlette(routes=[
+        route("/v1/chat/completions", chat, ["POST"]),
+        route("/v1/completions", completions, ["POST"]),
+        route("/v1/models", models, ["GET"]),
+        route("/tokenize", tokenize, ["POST"]),
+        route("/detokenize", detokenize, ["POST"]),
+        route("/health", health, ["GET"], guarded=False, needs_engine=False),
+        route("/metrics", metrics, ["GET"], guarded=False, needs_engine=False),
+    ], middleware=middleware, exception_handlers={HTTPException: http_error})
+
+
+def _authorize(request: Request, key: str):
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+        raise p.APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                         code="invalid_api_key")
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (before reading it when Content-Length says so)."""
+    too_big = p.APIError(413, f"the request body is over this server's limit of {limit} bytes "
+                              "(lmstack serve --max-body-bytes)", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    return bytes(body)
+
+
+def _check_model(service: Service, model: str):
+    if model != service.name:
+        raise p.APIError(404, f"model {model!r} does not exist: this server serves {service.name!r}", param="model",
+                         code="model_not_found")
+
+
+def _encode(service: Service, text: str, param: str, *, add_special_tokens=True) -> list[int]:
+    try:
+        return service.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except ValueError as e:
+        raise p.APIError(400, str(e), param=param) from None
+
+
+def _chat_ids(service: Service, messages, tools, *, add_generation_prompt=True) -> list[int]:
+    """The conversation through the model's own chat template, tokenized as `lmstack chat` does."""
+    tokenizer = service.tokenizer
+    if tokenizer.chat_template is None:
+        raise p.APIError(400, f"the model {service.name!r} has no chat template: use /v1/completions",
+                         param="messages")
+    try:
+        prompt = tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                               add_generation_prompt=add_generation_prompt, tools=tools)
+        return tokenizer.encode(prompt, add_special_tokens=False, allow_special=True)
+    except (TokenizerError, ValueError) as e:
+        raise p.APIError(400, str(e), param="messages") from None
+
+
+async def _until_disconnect(request: Request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, handle) -> str:
+    """The whole text of a request, aborting it if the client leaves first."""
+    async def text():
+        return "".join([piece async for piece in handle.atext_pieces()])
+
+    collect, gone = asyncio.ensure_future(text()), asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            raise p.APIError(499, "the client closed the connection")
+        return collect.result()
+    except EngineError as e:
+        raise p.APIError(503, f"the request failed: {e}") from None
+    finally:
+        for task in (collect, gone):
+            task.cancel()
+        if handle.finish_reason is None:
+            handle.abort()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events (`data: {json}` ... `data: [DONE]`) that end the request when the client leaves.
+
+    The disconnect is watched all along, not only when a write fails, so a request still queued or between
+    tokens is aborted too. An engine failure mid-stream is sent as an error event, which OpenAI's clients raise.
+    """
+
+    def __init__(self, service: Service, record: _Record, chunks):
+        self.service, self.record, self.chunks = service, record, chunks
+        super().__init__(self._events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self):
+        try:
+            async for data in self.chunks:
+                yield f"data: {data}\n\n"
+        except EngineError as e:
+            self.record.status = 503
+            yield f"data: {json.dumps(p.APIError(503, f'the request failed: {e}').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope, receive, send):
+        handle = self.record.handle
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left while we wrote
+                        self.record.status = 499
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                if handle.finish_reason is None:
+                    self.record.status = 499
+                group.cancel_scope.cancel()
+        finally:
+            if handle.finish_reason is None:
+                handle.abort()
+            _finish(self.service, self.record)
