@@ -310,12 +310,14 @@ def _assert_error(status, body, expected_status, *words, param=None):
 
 def test_bad_requests_get_a_400_naming_the_field(server):
     url = server[1]
-    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     status, _, body = raw(url, "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [')
     _assert_error(status, body, 400, "JSON")
+    assert raw(url, "POST", "/v1/chat/completions", chat)[0] == 200  # each 400 below is its field's
     for field, value in [("logit_bias", {"1": 5}), ("frobnicate", 1), ("n", 2), ("logprobs", True),
                          ("top_logprobs", 2), ("response_format", {"type": "json_object"}), ("temperature", 7),
-                         ("tool_choice", "required"), ("stop", [""]), ("max_tokens", 0), ("user", "me")]:
+                         ("tool_choice", "required"), ("stop", [""]), ("max_tokens", 0), ("user", "me"),
+                         ("stream_options", {"include_usage": True}), ("max_completion_tokens", 3)]:
         status, _, body = raw(url, "POST", "/v1/chat/completions", {**chat, field: value})
         _assert_error(status, body, 400, field, param=field)
     status, _, body = raw(url, "POST", "/v1/chat/completions",

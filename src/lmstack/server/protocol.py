@@ -74,6 +74,13 @@ class Sampling(Strict):
             raise ValueError("only n=1 is supported (send one request per choice)")
         return n
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, options, info):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only for stream: true")
+        return options
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop):
@@ -117,6 +124,14 @@ class ChatCompletionRequest(Sampling):
     logprobs: Any = None
     top_logprobs: Any = None
     response_format: Any = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, limit, info):
+        other = info.data.get("max_tokens")
+        if limit is not None and other is not None and other != limit:
+            raise ValueError(f"{limit} differs from max_tokens {other}: give one of them")
+        return limit
 
     @property
     def token_limit(self) -> int | None:
