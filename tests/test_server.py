@@ -366,6 +366,17 @@ def test_without_max_tokens_it_runs_to_the_context(client, model):
     assert answer.choices[0].finish_reason == "stop" or answer.usage.completion_tokens == CONTEXT - n
 
 
+def test_without_max_tokens_it_runs_until_the_kv_pool_is_full(model):
+    """A pool of 8 blocks of 16 tokens (less than the context): the default limit is what the pool holds."""
+    lm, tokenizer = model
+    service = start(model, kv_cache_memory=8 * lm.page_bytes(16))
+    with running(service) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(model=NAME, prompt="word " * 100, temperature=0)
+        n = len(tokenizer.encode("word " * 100))
+        assert answer.choices[0].finish_reason == "stop" or answer.usage.completion_tokens == 8 * 16 + 1 - n
+
+
 def test_a_full_queue_is_429_with_retry_after(model):
     service = start(model, max_running=1, max_waiting=0)
     with running(service) as url:

@@ -88,8 +88,10 @@ class Service:
         if limit is not None and limit > self.max_tokens_limit:
             raise p.APIError(400, f"{field} {limit} is over this server's limit of {self.max_tokens_limit} "
                                   "(lmstack serve --max-tokens-limit)", param=field)
-        if limit is None:  # until EOS or the context is full, within the server's limit
+        if limit is None:  # until EOS or the context (or the KV pool) is full, within the server's limit
             limit = self.max_tokens_limit if context is None else min(self.max_tokens_limit, context - len(ids))
+            if self.engine.n_blocks:
+                limit = max(1, min(limit, self.engine.n_blocks * self.engine.block_size + 1 - len(ids)))
         elif context is not None and len(ids) + limit > context:
             raise p.APIError(400, f"the prompt is {len(ids)} tokens and {field} is {limit}: {len(ids) + limit} in "
                                   f"all, over the model's context of {context} tokens", param=field,
