@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from lmstack import CausalLM
+from lmstack import CausalLM, kernels
+from lmstack.blocks.transformer import PagedContext, PagedKV, _paged_attention_reference
 from lmstack.engine import Engine, EngineError
 
 VOCAB = 256
@@ -129,10 +130,8 @@ def test_abort_frees_the_blocks(llama):
         handle.abort()
         rest = list(tokens)
         assert handle.finish_reason == "abort" and len(rest) < 88
-        engine.add([1], max_tokens=1)  # a step after the abort has published its counts
-        while engine.stats()["running"] or engine.stats()["waiting"]:
-            pass
-    stats = engine.stats()
+        list(engine.add([1], max_tokens=1))  # a step after the abort
+    stats = engine.stats()  # published at the end of every step; close waits for the last one
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
@@ -207,3 +206,54 @@ def test_mamba_is_served(mamba):
         if i % 2 == 0:
             assert tokens == mamba.generate([p], 8)[0, len(p):].tolist()
         assert tokens == list(Engine(mamba).add(p, max_tokens=8, **(dict(temperature=1.0, seed=i) if i % 2 else {})))
+
+
+def test_stop_strings_end_the_text_before_them(llama):
+    from lmstack import Tokenizer
+    from conftest import FIXTURES
+
+    tokenizer = Tokenizer.from_pretrained(FIXTURES / "tokenizers" / "smollm2")
+    prompt = prompts(1, seed=11)[0]
+    with Engine(llama, tokenizer, kv_cache_memory=64 * llama.page_bytes(16)) as engine:
+        free = engine.add(prompt, max_tokens=12, eos_ids=())
+        text = "".join(free.text_pieces())
+        assert text == tokenizer.decode(free.tokens) and len(text) > 6
+        stop = text[4:6]
+        stopped = engine.add(prompt, max_tokens=12, eos_ids=(), stop=[stop])
+        assert "".join(stopped.text_pieces()) == text[:text.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[:len(stopped.tokens)]
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_kernel_matches_the_reference(dtype, window):
+    g = torch.Generator().manual_seed(12)
+    n_blocks, KV, size, D, H = 12, 2, 4, 24, 6
+    pages = PagedKV(*(torch.randn(n_blocks, KV, size, D, generator=g).to(dtype) for _ in range(2)))
+    tables = torch.randperm(n_blocks, generator=g)[:10].view(2, 5)
+    seqs = torch.tensor([0] * 7 + [1] * 3)
+    positions = torch.tensor([*range(7), 3, 11, 19])
+    q = torch.randn(10, H, D, generator=g).to(dtype)
+    ctx = PagedContext(None, None, None, tables, seqs, positions)
+    kernel = kernels.paged_attention(q, pages.k, pages.v, tables, seqs, positions, window or 0)
+    reference = _paged_attention_reference(q, pages, ctx, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=tolerance, atol=tolerance)
+    alone = torch.cat([kernels.paged_attention(q[t:t + 1], pages.k, pages.v, tables, seqs[t:t + 1],
+                                               positions[t:t + 1], window or 0) for t in range(10)])
+    assert torch.equal(kernel, alone)
+
+
+@needs_kernels
+def test_bf16_matvec_rows_do_not_depend_on_their_batch_mates():
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((64, 96), (13, 100)):  # full tiles, and a ragged tail of output rows and inputs
+        w, bias = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        x = torch.randn(11, k, generator=g).bfloat16()
+        alone = torch.cat([kernels.matvec_bf16(x[i:i + 1], w, bias) for i in range(11)])
+        assert all(torch.equal(kernels.matvec_bf16(x[:m], w, bias), alone[:m]) for m in range(1, 12))
+        torch.testing.assert_close(alone.float(), x.float() @ w.float().T + bias.float(), rtol=2e-2, atol=2e-2)

@@ -106,19 +106,66 @@ void split_rows(int64_t N, int64_t K, const Rows& rows) {
                    [&](int64_t begin, int64_t end) { rows(begin * TILE, std::min(N, end * TILE)); });
 }
 
+// dot products of MR bf16 rows of x (row stride K) with the TILE bf16 rows of w, each output summed exactly as
+// dot_bf16<TILE> sums it (so a row's results never depend on how many rows share the call): each weight vector
+// loaded serves MR rows of x, four rows of w at a time to keep MR * 4 accumulators in registers
+template <int MR>
+__attribute__((always_inline)) inline void dot_bf16_rows(const uint16_t* x, const uint16_t* w, int64_t K,
+                                                         float (*out)[TILE]) {
+  for (int h = 0; h < TILE; h += 4) {
+    __m512 acc[MR][4];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* wh = w + h * K;
+    const char* next_tile = (const char*)(w + TILE * K + h * K);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32, next_tile += 4 * 64) {
+      for (int r = 0; r < 4; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
+      __m512bh xv[MR];
+      for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < 4; r++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wh + r * K + k);
+        for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+      }
+    }
+    if (k < K) {
+      const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+      __m512bh xv[MR];
+      for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      for (int r = 0; r < 4; r++) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wh + r * K + k);
+        for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+      }
+    }
+    for (int m = 0; m < MR; m++) _mm_storeu_ps(out[m] + h, sum4(acc[m]));
+  }
+}
+
+constexpr int64_t BLOCK_ROWS = 4;  // rows of x per dot_bf16_rows call
+
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), w and bias
 void rows_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, const c10::BFloat16* bias,
                c10::BFloat16* y, int64_t n0, int64_t n1) {
-  float sums[TILE];
+  float sums[BLOCK_ROWS][TILE];
   for (int64_t n = n0; n < n1; n += TILE) {
     const int64_t rows = std::min(TILE, n1 - n);
-    for (int64_t m = 0; m < M; m++) {
-      if (rows == TILE)
-        dot_bf16<TILE>(x + m * K, w + n * K, K, sums);
+    for (int64_t m = 0; m < M; m += BLOCK_ROWS) {
+      const int64_t block = std::min(BLOCK_ROWS, M - m);
+      const uint16_t* xm = x + m * K;
+      if (rows < TILE)
+        for (int64_t i = 0; i < block; i++)
+          for (int64_t r = 0; r < rows; r++) dot_bf16<1>(xm + i * K, w + (n + r) * K, K, sums[i] + r);
+      else if (block == 1)
+        dot_bf16<TILE>(xm, w + n * K, K, sums[0]);
+      else if (block == 2)
+        dot_bf16_rows<2>(xm, w + n * K, K, sums);
+      else if (block == 3)
+        dot_bf16_rows<3>(xm, w + n * K, K, sums);
       else
-        for (int64_t r = 0; r < rows; r++) dot_bf16<1>(x + m * K, w + (n + r) * K, K, sums + r);
-      for (int64_t r = 0; r < rows; r++)
-        y[m * N + n + r] = c10::BFloat16(bias ? sums[r] + float(bias[n + r]) : sums[r]);
+        dot_bf16_rows<4>(xm, w + n * K, K, sums);
+      for (int64_t i = 0; i < block; i++)
+        for (int64_t r = 0; r < rows; r++)
+          y[(m + i) * N + n + r] = c10::BFloat16(bias ? sums[i][r] + float(bias[n + r]) : sums[i][r]);
     }
   }
 }
