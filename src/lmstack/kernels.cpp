@@ -373,6 +373,50 @@ at::Tensor rope_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
+// rope_into_cache for tokens of many sequences in one row: qkv (1, T, H + 2 KV, D), cos and sin (1, T, 1, D);
+// token t's k and v go to pool slot slots[t] (block * block_size + offset) of pools (n_blocks, KV, block_size, D).
+// Returns the rotated q heads (1, T, H, D).
+at::Tensor rope_into_pages(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                           at::Tensor& v_pool, const at::Tensor& slots) {
+  const at::ScalarType dtype = qkv.scalar_type();
+  check_cpu(qkv, dtype, "rope_into_pages: qkv", 4);
+  check_cpu(cos, dtype, "rope_into_pages: cos", 4);
+  check_cpu(sin, dtype, "rope_into_pages: sin", 4);
+  check_cpu(k_pool, dtype, "rope_into_pages: k_pool", 4);
+  check_cpu(v_pool, dtype, "rope_into_pages: v_pool", 4);
+  check_cpu(slots, at::kLong, "rope_into_pages: slots", 1);
+  const int64_t T = qkv.size(1), D = qkv.size(3), KV = k_pool.size(1), size = k_pool.size(2);
+  const int64_t H = qkv.size(2) - 2 * KV, heads = H + 2 * KV, n_slots = k_pool.size(0) * size;
+  TORCH_CHECK(qkv.size(0) == 1 && H > 0 && D % 2 == 0 && k_pool.sizes() == v_pool.sizes() && k_pool.size(3) == D,
+              "rope_into_pages: qkv ", qkv.sizes(), " does not fit pools ", k_pool.sizes());
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == 1 && cos.size(1) == T && cos.size(2) == 1 &&
+                  cos.size(3) == D && slots.size(0) == T,
+              "rope_into_pages: cos/sin ", cos.sizes(), " or slots ", slots.sizes(), " do not fit qkv ", qkv.sizes());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < n_slots, "rope_into_pages: slot ", sp[t], " outside a pool of ", n_slots);
+  at::Tensor q = at::empty({1, T, H, D}, qkv.options());
+  with_type(qkv, "rope_into_pages: qkv", [&]<typename E>() {
+    const E* x = static_cast<const E*>(qkv.data_ptr());
+    const E *cp = static_cast<const E*>(cos.data_ptr()), *snp = static_cast<const E*>(sin.data_ptr());
+    E *qp = static_cast<E*>(q.data_ptr()), *kc = static_cast<E*>(k_pool.data_ptr());
+    E* vc = static_cast<E*>(v_pool.data_ptr());
+    at::parallel_for(0, T, std::max<int64_t>(1, TASK_WEIGHTS / (heads * D)), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; t++) {
+        const E* token = x + t * heads * D;
+        const int64_t block = sp[t] / size, offset = sp[t] % size;
+        for (int64_t h = 0; h < H; h++) rotate(token + h * D, cp + t * D, snp + t * D, D, qp + (t * H + h) * D);
+        for (int64_t g = 0; g < KV; g++) {
+          const int64_t at = ((block * KV + g) * size + offset) * D;
+          rotate(token + (H + g) * D, cp + t * D, snp + t * D, D, kc + at);
+          std::copy(token + (H + KV + g) * D, token + (H + KV + g + 1) * D, vc + at);
+        }
+      }
+    });
+  });
+  return q;
+}
+
 // e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp)
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
@@ -584,6 +628,10 @@ TORCH_LIBRARY(lmstack, m) {
       "rope_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> "
       "Tensor",
       rope_into_cache);
+  m.def(
+      "rope_into_pages(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots) -> "
+      "Tensor",
+      rope_into_pages);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention);
   m.def("silu_mul(Tensor x) -> Tensor", silu_mul);
   m.def(

@@ -98,6 +98,12 @@ def rope_into_cache(qkv, cos, sin, k_cache, v_cache, start: int) -> torch.Tensor
     return torch.ops.lmstack.rope_into_cache(qkv, cos, sin, k_cache, v_cache, start)
 
 
+def rope_into_pages(qkv, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+    """rope_into_cache for tokens of many sequences in one row (1, T, H + 2 KV, D): k and v go to pool slots
+    `slots` (T,) of pools (blocks, KV, block_size, D); returns the rotated q heads (1, T, H, D)."""
+    return torch.ops.lmstack.rope_into_pages(qkv, cos, sin, k_pool, v_pool, slots)
+
+
 def decode_attention(q, k_cache, v_cache, length: int) -> torch.Tensor:
     """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D)."""
     return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length)

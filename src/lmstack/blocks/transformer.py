@@ -116,7 +116,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV]), qkv[:, :, H + KV:]), dim=2)
         if isinstance(ctx, PagedContext):
-            return self.o(self._paged(qkv[0], cache, ctx)[None])
+            return self.o(self._paged(qkv, cache, ctx)[None])
         mask = ctx.masks[self.window]
         if cache is not None and kernels.usable(qkv):
             q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
@@ -143,14 +143,18 @@ class Attention(nn.Module):
 
 
     def _paged(self, qkv: torch.Tensor, cache: PagedKV, ctx: PagedContext) -> torch.Tensor:
-        """qkv (T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
+        """qkv (1, T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
         H, KV = self.n_heads, self.n_kv_heads
-        qk = apply_rotary(qkv[None, :, :H + KV], ctx.cos, ctx.sin)[0]
-        size = cache.k.shape[2]
-        blocks, offsets = ctx.slots // size, ctx.slots % size
-        cache.k[blocks, :, offsets] = qk[:, H:]
-        cache.v[blocks, :, offsets] = qkv[:, H + KV:]
-        return paged_attention(qk[:, :H], cache, ctx, self.window)
+        if kernels.usable(qkv):
+            q = kernels.rope_into_pages(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots)[0]
+        else:
+            qk = apply_rotary(qkv[:, :, :H + KV], ctx.cos, ctx.sin)[0]
+            size = cache.k.shape[2]
+            blocks, offsets = ctx.slots // size, ctx.slots % size
+            cache.k[blocks, :, offsets] = qk[:, H:]
+            cache.v[blocks, :, offsets] = qkv[0, :, H + KV:]
+            q = qk[:, :H]
+        return paged_attention(q, cache, ctx, self.window)
 
 
 class MLP(nn.Module):
