@@ -1,12 +1,12 @@
 """Aggregate tokens/s of the engine at 1/4/8/16 concurrent requests, beside sequential `generate`, in one run.
 
-    python bench/serve.py                       # the default model (SmolLM2-135M-Instruct), bfloat16 weights
+    python bench/serve.py                       # the default model (SmolLM2-135M-Instruct), bf16 weights and profile
     python bench/serve.py --model PATH --weight-format float32 --concurrency 1,4,16 --tokens 64
 
 Every request has its own prompt (--prompt-tokens random ids) and makes exactly --tokens tokens (no EOS).
-Throughput is completion tokens over wall time, prefill included, for `generate` one request after another
-and for the engine with all requests added at once; ratios are against `generate` in the same run, since
-a shared machine's speed drifts between runs.
+Throughput is completion tokens over wall time, prefill included, for `generate` (two requests one after
+another, measured beside each level, since a shared machine's speed drifts) and for the engine with all
+requests added at once.
 """
 
 import argparse
@@ -45,26 +45,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model")
     parser.add_argument("--weight-format", default="bfloat16")
+    parser.add_argument("--numeric-profile", default="bf16")
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     args = parser.parse_args()
-    lm, _ = models.load(args.model, weight_format=args.weight_format, device="cpu")
+    lm, _ = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile,
+                        device="cpu")
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"{lm!r}, {torch.get_num_threads()} threads; {args.prompt_tokens}-token prompts, {args.tokens} tokens each")
     lm.generate([[1, 2, 3]], 2)  # warm up: kernels built, allocator primed
-    baseline = sequential(lm, prompts(2, args.prompt_tokens, lm.vocab_size, seed=99), args.tokens)
-    print(f"generate, one request at a time: {baseline:.1f} tokens/s")
-    print("| concurrent | engine tokens/s | x generate | x engine at 1 | median TTFT s | median gap s |")
-    print("|---|---|---|---|---|---|")
+    print("| concurrent | generate tokens/s | engine tokens/s | x generate | x engine at 1 | median TTFT s | "
+          "median gap s |")
+    print("|---|---|---|---|---|---|---|")
     single = None
     with Engine(lm, max_running=max(levels)) as engine:
         list(engine.add([1, 2, 3], max_tokens=2))
-        for n in levels:
+        for n in levels:  # generate measured beside each level: a shared machine's speed drifts
+            baseline = sequential(lm, prompts(2, args.prompt_tokens, lm.vocab_size, seed=99), args.tokens)
             rate, ttft, gap = served(engine, prompts(n, args.prompt_tokens, lm.vocab_size, seed=n), args.tokens)
             single = single or rate
-            print(f"| {n} | {rate:.1f} | {rate / baseline:.2f} | {rate / single:.2f} | {ttft:.3f} | {gap:.4f} |",
-                  flush=True)
+            print(f"| {n} | {baseline:.1f} | {rate:.1f} | {rate / baseline:.2f} | {rate / single:.2f} | {ttft:.3f} | "
+                  f"{gap:.4f} |", flush=True)
     print(engine.stats())
 
 

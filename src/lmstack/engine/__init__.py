@@ -38,6 +38,8 @@ running sequence instead of blocks.
 A request's numbers never depend on what runs beside it: each token's attention and every matmul row is
 computed alone, in the same order whatever the batch (formats.row_invariant, kernels.paged_attention), so a
 greedy request gives the same tokens alone or among others, chunked or not, with a prefix hit or without.
+One exception: Mamba 2's prefill batches its SSD matmuls over a prompt's chunks, so a prompt entering in
+chunks differs from one prefill in the last bits of its logits (chunks end on the model's chunk_size).
 
 stats(): running, waiting, preemptions, kv_blocks_total / _used / _free / _cached, prefix_queries and
 prefix_hits (full prompt blocks looked up in the prefix cache, and found) and prefix_hit_rate.

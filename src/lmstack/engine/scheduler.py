@@ -59,7 +59,10 @@ class Scheduler:
         if left <= 1 or left <= budget:
             return left
         align = self.chunk_align  # recurrent models: chunk boundaries where their scans' chunks fall
-        return min(left, max(align, budget // align * align))
+        n = min(left, max(align, budget // align * align))
+        if left - n == 1 and align > 1:  # a last chunk of one token would take Mamba 2's one-step path
+            n = n - align if n > align else left
+        return n
 
     def _grow(self, seq: Seq, n_tokens: int) -> bool:
         return self.pool is None or self.pool.grow(seq.kv, n_tokens)
