@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from lmstack import CausalLM, UnsupportedModel
+from lmstack import CausalLM, Tokenizer, UnsupportedModel
 from lmstack.gguf import LAYER_NAMES, NAMES, GGUFFile, is_gguf
 
 HF_TO_GGUF = {**{v: k for k, v in NAMES.items()}, **{v: k for k, v in LAYER_NAMES.items()}}
@@ -131,7 +131,7 @@ def test_config_from_metadata(tiny_checkpoint, tmp_path):
 def test_tokenizer_from_metadata(tiny_checkpoint, tmp_path):
     _, reference = tiny_checkpoint("llama")
     write_gguf(tmp_path / "m.gguf", reference)
-    tok = GGUFFile(tmp_path / "m.gguf").tokenizer()
+    tok = Tokenizer.from_pretrained(tmp_path / "m.gguf")
     ab, ac = 95 + 1, 95 + 2  # after the 95 single characters: "aa", "ab", "ac", ...
     assert tok.encode("ab ac!", add_special_tokens=False) == [ab, 0, ac, 1]
     assert tok.decode([ab, 0, ac, 1]) == "ab ac!"

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFValueType as T
 
 import isolated
-from lmstack import CausalLM, CheckpointError, SafetensorsFile
+from lmstack import CausalLM, CheckpointError, SafetensorsFile, Tokenizer
 from lmstack.gguf import GGUFFile, GGUFHeader
 from test_hostile import checkpoint_dir, gguf_file
 
@@ -72,7 +72,7 @@ def load_with_blob(path):
     """Load the model and its tokenizer, and read the large array the file carries as numpy."""
     CausalLM.load(path, device="cpu")
     with GGUFFile(path) as f:
-        f.tokenizer()
+        Tokenizer.from_gguf(f)
         return int(f.array("general.blob").sum()), len(f.array("general.words"))
 
 

@@ -182,7 +182,7 @@ def test_mutated_gguf(data):
 
         def action():
             with GGUFFile(path) as f:
-                f.tokenizer()
+                Tokenizer.from_gguf(f)
                 for name in f.names():
                     f.read(name)
             CausalLM.load(path, device="cpu")

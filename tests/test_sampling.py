@@ -21,7 +21,7 @@ def tiny(tiny_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(path, reference)
     source = GGUFFile(path)
-    tokenizer = source.tokenizer()
+    tokenizer = Tokenizer.from_gguf(source)
     return CausalLM.load(source, device="cpu"), tokenizer
 
 

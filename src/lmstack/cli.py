@@ -299,7 +299,7 @@ def _serve(args):
 
 
 def _convert(args):
-    from .gguf import convert
+    from .convert import convert
 
     path = models.resolve(args.gguf)
     if not is_gguf(path):

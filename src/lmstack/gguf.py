@@ -12,7 +12,6 @@ own), and the q/k rows that llama.cpp's converter permutes for its rotary layout
 Face's order.
 """
 
-import json
 import math
 import os
 import struct
@@ -26,7 +25,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo
-from .config import HFConfig, UnsupportedModel, plan_for
+from .config import HFConfig, UnsupportedModel
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -74,17 +73,6 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
-
-# tokenizer.ggml.pre -> (PATTERNS name, ignore_merges, normalizer), as llama.cpp and the HF files have them
-PRE_TOKENIZERS = {
-    "gpt2": ("gpt2", False, None),
-    "gpt-2": ("gpt2", False, None),
-    "smollm": ("smollm", False, None),
-    "starcoder": ("smollm", False, None),
-    "llama-bpe": ("llama3", True, None),
-    "llama3": ("llama3", True, None),
-    "qwen2": ("qwen2", False, "NFC"),
 }
 
 _REQUIRED = object()
@@ -359,6 +347,19 @@ class GGUFHeader:
             value = float(str(np.float32(value)))
         return value
 
+    def _int(self, key: str, default=_REQUIRED, minimum=1):
+        """An integer metadata value of at least `minimum`, or `default` when absent."""
+        value = self.get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise CheckpointError(f"{self.path}: GGUF metadata {key.replace('{arch}', getattr(self, 'arch', ''))!r} = {value!r}, "
+                                  f"expected an integer >= {minimum}")
+        return value
+
+    def eos_ids(self) -> list[int]:
+        """Every id that ends a generation: EOS, and end-of-turn / end-of-message where given."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return list(dict.fromkeys(i for i in (self._int(k, None, minimum=0) for k in keys) if i is not None))
+
     def array(self, key: str):
         """An array value: numpy for numbers (bool for BOOL), a list of str for strings, lists for nested arrays."""
         field = self._fields.get(key)
@@ -454,14 +455,6 @@ class GGUFFile(GGUFHeader):
 
     # ---- model metadata ------------------------------------------------------------------
 
-    def _int(self, key: str, default=_REQUIRED, minimum=1):
-        """An integer metadata value of at least `minimum`, or `default` when absent."""
-        value = self.get(key, default)
-        if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-            raise CheckpointError(f"{self.path}: GGUF metadata {key.replace('{arch}', self.arch)!r} = {value!r}, "
-                                  f"expected an integer >= {minimum}")
-        return value
-
     def _check_types(self):
         """Refuse, before reading a weight, any tensor type `gguf` cannot dequantize."""
         for qtype in {t.type for t in self._tensors.values()}:
@@ -524,11 +517,6 @@ class GGUFFile(GGUFHeader):
             config["use_sliding_window"] = True
         return config
 
-    def eos_ids(self) -> list[int]:
-        """Every id that ends a generation: EOS, and end-of-turn / end-of-message where given."""
-        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        return list(dict.fromkeys(i for i in (self._int(k, None, minimum=0) for k in keys) if i is not None))
-
     # ---- tensors: the Checkpoint surface -------------------------------------------------
 
     def names(self) -> list[str]:
@@ -572,107 +560,83 @@ class GGUFFile(GGUFHeader):
             raise KeyError(f"{self.path}: no tensor {name!r}")
         return self._tensors[name]
 
-    # ---- tokenizer -----------------------------------------------------------------------
 
-    def tokenizer(self):
-        """The Tokenizer the metadata describes: a byte-level BPE ("gpt2" in llama.cpp's words)."""
-        from .tokenizer import BYTE_CHARS, Tokenizer
+@dataclass(frozen=True)
+class TokenizerData:
+    """What a GGUF says of its tokenizer, as plain data: `tokenizer.ggml.*` checked, nothing interpreted.
 
-        kind = self.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModel(f"{self.path}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2)")
-        pre = self.get("tokenizer.ggml.pre", "gpt2")
-        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-            raise UnsupportedModel(f"{self.path}: tokenizer.ggml.pre {pre!r} is not supported "
-                                   f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
-        pattern, ignore_merges, normalizer = PRE_TOKENIZERS[pre]
-        byte_of = {c: b for b, c in enumerate(BYTE_CHARS)}
+    `types` are llama.cpp's token types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
+    6 byte); `merges` are "left right" strings; `chat_template` is a string, or {name: template} when
+    the file names some (`tokenizer.chat_template.NAME`).
+    """
+    source: str
+    arch: str | None
+    model: str
+    pre: str | None
+    tokens: list
+    types: list
+    scores: list | None
+    merges: list | None
+    bos: int | None
+    eos: tuple
+    unk: int | None
+    pad: int | None
+    add_bos: bool | None
+    add_eos: bool | None
+    add_space_prefix: bool | None
+    chat_template: str | dict | None
 
-        def unspell(text: str) -> bytes:
-            try:
-                return bytes(byte_of[c] for c in text)
-            except KeyError:
-                raise CheckpointError(f"{self.path}: token {text!r} is not spelled in byte-level characters") from None
 
-        def check(key, ok, expected):
-            if not ok:
-                raise CheckpointError(f"{self.path}: GGUF metadata {key} is malformed: expected {expected}")
+def tokenizer_data(header: GGUFHeader) -> TokenizerData:
+    """The tokenizer metadata of any GGUF, whatever its architecture, checked for type and range."""
+    path = header.path
 
-        texts = self.get("tokenizer.ggml.tokens")
-        check("tokenizer.ggml.tokens", isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts),
-              "a non-empty list of strings")
-        types = self.get("tokenizer.ggml.token_type", [1] * len(texts))
-        check("tokenizer.ggml.token_type", isinstance(types, list) and len(types) == len(texts), "one type per token")
-        merges = self.get("tokenizer.ggml.merges", [])
-        check("tokenizer.ggml.merges", isinstance(merges, list) and all(isinstance(m, str) and m.count(" ") == 1
-                                                                        for m in merges), "'left right' strings")
-        bos = self._int("tokenizer.ggml.bos_token_id", None, minimum=0)
-        for i in (bos, *self.eos_ids()):
-            check("tokenizer.ggml.*_token_id", i is None or i < len(texts), f"ids below {len(texts)}, got {i}")
-        template = self.get("tokenizer.chat_template", None)
-        check("tokenizer.chat_template", template is None or isinstance(template, str), "a string")
-        special = {i for i, kind in enumerate(types) if kind in (3, 4)}  # control, user-defined
-        tokens = [text.encode() if i in special else unspell(text) for i, text in enumerate(texts)]
-        merges = [tuple(unspell(side) for side in merge.split(" ")) for merge in merges]
-        return Tokenizer(
-            tokens, merges, pattern=pattern, added={texts[i]: i for i in sorted(special)}, normalizer=normalizer,
-            bos_ids=() if bos is None else (bos,), eos_ids=tuple(self.eos_ids()),
-            add_bos=bool(self.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
-            ignore_merges=ignore_merges, chat_template=template,
-            source=str(self.path))
+    def check(key, ok, expected):
+        if not ok:
+            raise CheckpointError(f"{path}: GGUF metadata {key} is malformed: expected {expected}")
+
+    def flag(key):
+        value = header.get(key, None)
+        check(key, value is None or isinstance(value, bool), "true or false")
+        return value
+
+    model = header.get("tokenizer.ggml.model")
+    check("tokenizer.ggml.model", isinstance(model, str), "a string")
+    pre = header.get("tokenizer.ggml.pre", None)
+    check("tokenizer.ggml.pre", pre is None or isinstance(pre, str), "a string")
+    tokens = header.get("tokenizer.ggml.tokens")
+    check("tokenizer.ggml.tokens", isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens),
+          "a non-empty list of strings")
+    types = header.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    check("tokenizer.ggml.token_type", isinstance(types, list) and len(types) == len(tokens)
+          and all(isinstance(t, int) and not isinstance(t, bool) for t in types), "one integer type per token")
+    scores = header.get("tokenizer.ggml.scores", None)
+    check("tokenizer.ggml.scores", scores is None or (isinstance(scores, list) and len(scores) == len(tokens) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)), "one number per token")
+    merges = header.get("tokenizer.ggml.merges", None)
+    check("tokenizer.ggml.merges", merges is None or isinstance(merges, list) and all(
+        isinstance(m, str) and m.count(" ") == 1 for m in merges), "'left right' strings")
+    ids = {key: header._int(f"tokenizer.ggml.{key}_token_id", None, minimum=0)
+           for key in ("bos", "unknown", "padding")}
+    for key, i in (*ids.items(), *(("eos", i) for i in header.eos_ids())):
+        check(f"tokenizer.ggml.{key}_token_id", i is None or i < len(tokens), f"ids below {len(tokens)}, got {i}")
+    template = header.get("tokenizer.chat_template", None)
+    check("tokenizer.chat_template", template is None or isinstance(template, str), "a string")
+    prefix = "tokenizer.chat_template."
+    named = {key[len(prefix):]: header.get(key) for key in header.keys() if key.startswith(prefix)}
+    for name, text in named.items():
+        check(prefix + name, isinstance(text, str), "a string")
+    if named:
+        template = {**({"default": template} if template is not None else {}), **named}
+    arch = header.get("general.architecture", None)
+    return TokenizerData(
+        source=str(path), arch=arch if isinstance(arch, str) else None, model=model, pre=pre, tokens=tokens,
+        types=types, scores=scores, merges=merges, bos=ids["bos"], eos=tuple(header.eos_ids()), unk=ids["unknown"],
+        pad=ids["padding"], add_bos=flag("tokenizer.ggml.add_bos_token"), add_eos=flag("tokenizer.ggml.add_eos_token"),
+        add_space_prefix=flag("tokenizer.ggml.add_space_prefix"), chat_template=template)
 
 
 def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's `permute`, which interleaves each head's two rotary halves row by row."""
     rows = weight.shape[0]
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
-
-def convert(path, out, progress=None):
-    """Write a GGUF file as a Hugging Face checkpoint directory that transformers loads.
-
-    config.json, model.safetensors (the plan's tensors, dequantized to float32), tokenizer.json,
-    tokenizer_config.json and generation_config.json; the model is refused before anything is written.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    with GGUFFile(path) as source:
-        plan = plan_for(source.config)
-        names = list(dict.fromkeys(plan.weight_names()))
-        for name in names:
-            if name not in source:
-                raise CheckpointError(f"{source.path}: missing tensor {name!r} (Hugging Face name)")
-        tokenizer = source.tokenizer()
-        texts = source.get("tokenizer.ggml.tokens")
-        bos, eos = source.get("tokenizer.ggml.bos_token_id", None), source.eos_ids()
-        pad = source._int("tokenizer.ggml.padding_token_id", None, minimum=0)
-        if pad is not None and pad >= len(texts):
-            raise CheckpointError(f"{source.path}: tokenizer.ggml.padding_token_id {pad} is past the "
-                                  f"{len(texts)} tokens")
-        tokenizer_config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": None if bos is None else texts[bos],
-            "eos_token": texts[eos[0]] if eos else None,
-            "pad_token": None if pad is None else texts[pad],
-            "add_bos_token": bool(source.get("tokenizer.ggml.add_bos_token", False)),
-            "add_eos_token": bool(source.get("tokenizer.ggml.add_eos_token", False)),
-            "clean_up_tokenization_spaces": False,
-            "chat_template": source.get("tokenizer.chat_template", None),
-        }
-        generation = {"bos_token_id": bos, "eos_token_id": source.config["eos_token_id"], "pad_token_id": pad}
-        config = {"architectures": [ARCHITECTURES[source.arch][2]], **source.config, "dtype": "float32"}
-        tensors = {}
-        for done, name in enumerate(names, 1):
-            tensors[name] = source.read(name).contiguous()
-            if progress:
-                progress(done, len(names))
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
-    for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
-                       ("generation_config.json", generation)):
-        (out / name).write_text(json.dumps({k: v for k, v in data.items() if v is not None}, indent=2) + "\n",
-                                encoding="utf-8")

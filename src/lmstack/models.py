@@ -42,7 +42,7 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
     path = resolve(model)
     if is_gguf(path):
         source = GGUFFile(path)
-        tokenizer = source.tokenizer()
+        tokenizer = Tokenizer.from_gguf(source)
         return model_class.load(source, progress=progress, **options), tokenizer
     tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
     return model_class.load(path, progress=progress, **options), tokenizer

@@ -13,22 +13,10 @@ from pathlib import Path
 import tokenizers
 
 from . import chat
-from .config import MAX_VOCAB, parse_json, read_json, read_text
+from .config import MAX_VOCAB, UnsupportedModel, parse_json, read_json, read_text
+from .gguf import GGUFHeader, TokenizerData, is_gguf, tokenizer_data
+from .pretokenizers import DIGIT, GGUF_PRE_TOKENIZERS, GPT2, PATTERNS
 
-GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3 = QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-DIGIT = r"\p{N}"
-
-# A byte-level pre-tokenization is a sequence of regexes, each one isolating its matches
-# (`Split(..., "isolated")`); the text between matches stays a piece too.
-PATTERNS = {
-    "gpt2": (GPT2,),
-    "smollm": (DIGIT, GPT2),  # Digits(individual_digits) before GPT-2, as SmolLM and StarCoder
-    "llama3": (LLAMA3,),
-    "qwen2": (QWEN2,),
-}
 NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD")
 MODELS = ("BPE", "WordPiece", "WordLevel", "Unigram")
 
@@ -126,12 +114,10 @@ class Tokenizer:
         `additional_chat_templates/*.jinja` take precedence); without add_*_token, encode adds what the
         file's TemplateProcessing post-processor adds.
         """
-        from .gguf import GGUFFile, is_gguf
-
         path = Path(path)
         if is_gguf(path):
-            with GGUFFile(path) as source:
-                return source.tokenizer()
+            with GGUFHeader(path) as header:
+                return cls.from_gguf(header)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such tokenizer.json")
@@ -181,6 +167,41 @@ class Tokenizer:
         tok._bind(text, spec, str(file), bos_ids, eos_ids, before, after, template, backend)
         tok.special_tokens = special_tokens
         return tok
+
+    @classmethod
+    def from_gguf(cls, header: GGUFHeader) -> "Tokenizer":
+        """The tokenizer an open GGUF's metadata describes, whatever the model's architecture.
+
+        `tokenizer.ggml.model` "gpt2" is a byte-level BPE cut as `tokenizer.ggml.pre` names
+        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback),
+        built as transformers builds it from the same file. Anything else is refused by name.
+        """
+        data = tokenizer_data(header)
+        if data.model == "llama":
+            return _sentencepiece(cls, data)
+        if data.model != "gpt2":
+            raise UnsupportedModel(f"{data.source}: tokenizer.ggml.model {data.model!r} is not supported "
+                                   f"(supported: gpt2, llama)")
+        pre = data.pre or "gpt2"
+        if pre not in GGUF_PRE_TOKENIZERS:
+            raise UnsupportedModel(f"{data.source}: tokenizer.ggml.pre {pre!r} is not supported "
+                                   f"(supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))})")
+        pattern, ignore_merges, normalizer = GGUF_PRE_TOKENIZERS[pre]
+        byte_of = {c: b for b, c in enumerate(BYTE_CHARS)}
+
+        def unspell(text: str) -> bytes:
+            try:
+                return bytes(byte_of[c] for c in text)
+            except KeyError:
+                raise TokenizerError(f"{data.source}: token {text!r} is not spelled in byte-level characters") from None
+
+        added = {text: i for i, (text, kind) in enumerate(zip(data.tokens, data.types)) if kind in (3, 4)}
+        tokens = [text.encode() if text in added else unspell(text) for text in data.tokens]
+        merges = [tuple(unspell(side) for side in merge.split(" ")) for merge in data.merges or ()]
+        return cls(tokens, merges, pattern=pattern, added=added, normalizer=normalizer,
+                   bos_ids=() if data.bos is None else (data.bos,), eos_ids=data.eos, add_bos=bool(data.add_bos),
+                   add_eos=bool(data.add_eos), ignore_merges=ignore_merges, chat_template=data.chat_template,
+                   special_tokens=_gguf_special_tokens(data), source=data.source)
 
     def _bind(self, text, spec, source, bos_ids, eos_ids, prefix, suffix, chat_template, backend=None):
         try:
@@ -339,6 +360,70 @@ class Tokenizer:
             if not (isinstance(i, int) and 0 <= i < self.n_vocab) or (self._bytes and self._bytes[i] is None):
                 raise ValueError(f"{self.source}: id {i!r} at position {pos} is not in the vocabulary "
                                  f"(0..{self.n_vocab - 1})")
+
+
+def _gguf_special_tokens(data: TokenizerData) -> dict:
+    """The named special tokens' texts, as transformers takes them from a GGUF (the first EOS id's)."""
+    ids = {"bos_token": data.bos, "eos_token": data.eos[0] if data.eos else None, "unk_token": data.unk,
+           "pad_token": data.pad}
+    return {name: data.tokens[i] for name, i in ids.items() if i is not None}
+
+
+def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
+    """A GGUF's SentencePiece vocabulary as transformers converts it: BPE over "▁"-spelled tokens with byte
+    fallback, merges from the file or, without them, from the scores; control tokens special, user-defined
+    ones added."""
+    vocab = {}
+    for i, token in enumerate(data.tokens):
+        if vocab.setdefault(token, i) != i:
+            raise TokenizerError(f"{data.source}: token {i} {token!r} repeats token {vocab[token]}")
+    if data.merges is not None:
+        merges = [merge.split(" ") for merge in data.merges]
+    elif data.scores is not None:
+        merges = _merges_from_scores(vocab, dict(zip(data.tokens, data.scores)))
+    else:
+        raise TokenizerError(f"{data.source}: a SentencePiece vocabulary needs tokenizer.ggml.merges or .scores")
+    if data.add_space_prefix is False:  # transformers' conversion always prepends "▁"
+        raise UnsupportedModel(f"{data.source}: tokenizer.ggml.add_space_prefix = false is not supported")
+    phi3 = data.arch == "phi3"  # Phi-3's prefix space comes from a normalizer, as its tokenizer.json has it
+    specials = _gguf_special_tokens(data)
+    added = [(i, text, kind == 3 or text in specials.values()) for i, (text, kind) in
+             enumerate(zip(data.tokens, data.types)) if kind in (3, 4) or text in specials.values()]
+    spec = {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": special} for i, text, special in added],
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                           {"type": "Replace", "pattern": {"String": " "},
+                                                            "content": "▁"}]} if phi3 else None,
+        "pre_tokenizer": None if phi3 else {"type": "Metaspace", "replacement": "▁", "split": False,
+                                            "prepend_scheme": "first"},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": specials.get("unk_token", "<unk>"),
+                  "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
+    }
+    bos_ids = () if data.bos is None else (data.bos,)
+    tok = cls.__new__(cls)
+    tok._bind(json.dumps(spec), spec, data.source, bos_ids, data.eos, list(bos_ids) if data.add_bos is not False
+              else [], list(data.eos[:1]) if data.add_eos else [], data.chat_template)
+    tok.special_tokens = specials
+    return tok
+
+
+def _merges_from_scores(vocab: dict, scores: dict) -> list:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two tokens, best score first.
+
+    Ties go to the shorter left then right piece, then to the order transformers lists them in (tokens in
+    vocabulary order, each token's splits by their pieces' ids), so the merges are the ones it derives.
+    """
+    merges = []
+    for token, score in scores.items():
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [[left, right] for left, right, _ in merges]
 
 
 def _chat_templates(directory: Path, template, config_file: Path):
