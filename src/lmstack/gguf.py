@@ -351,8 +351,8 @@ class GGUFHeader:
         """An integer metadata value of at least `minimum`, or `default` when absent."""
         value = self.get(key, default)
         if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-            raise CheckpointError(f"{self.path}: GGUF metadata {key.replace('{arch}', getattr(self, 'arch', ''))!r} = {value!r}, "
-                                  f"expected an integer >= {minimum}")
+            key = key.replace("{arch}", getattr(self, "arch", ""))
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} = {value!r}, expected an integer >= {minimum}")
         return value
 
     def eos_ids(self) -> list[int]:

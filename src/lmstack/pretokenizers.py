@@ -2,7 +2,8 @@
 
 A pre-tokenization is a sequence of regexes, each isolating its matches within the pieces the one
 before left (`Split(..., "isolated")` in `tokenizers`, `unicode_regex_split` in llama.cpp); the text
-between matches stays a piece too. The GGUF names are llama.cpp's, each cut as the model's own
+between matches stays a piece too. A step may also be a `tokenizers` pre-tokenizer, where only that
+cuts as the model's tokenizer does. The GGUF names are llama.cpp's, each cut as the model's own
 tokenizer.json cuts it.
 """
 
@@ -18,9 +19,11 @@ GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}
 DIGIT = r"\p{N}"
 CJK = "[一-龥ࠀ-一가-퟿]+"
 DEEPSEEK_LETTERS = (
-    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄ"
-    r"ῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲"
-    r"𑢠-𑣟𞤀-𞥃]+")
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ"
+    "-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄ"
+    "ῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ"
+    "-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲"
+    "𑢠-𑣟𞤀-𞥃]+")
 
 PATTERNS = {
     "gpt2": (GPT2,),
@@ -34,8 +37,12 @@ PATTERNS = {
     "deepseek-v3": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-    # Punctuation (Unicode P and ASCII punctuation), GPT-2, Digits (runs), then threes of digits
-    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
+    # Falcon's own steps, not regexes: its Digits step runs after the byte-level mapping, so it also cuts
+    # at bytes whose stand-in is numeric ("½" for 0xBD, inside some emoji), as llama.cpp's regexes cannot
+    "falcon": ({"type": "Punctuation", "behavior": "Contiguous"},
+               {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+               {"type": "Digits", "individual_digits": False},
+               {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}),
 }
 
 # tokenizer.ggml.pre -> (PATTERNS name, ignore_merges, normalizer): llama.cpp's names and flags, the

@@ -91,8 +91,10 @@ class Tokenizer:
                               "normalized": False, "special": True} for text, i in added.items()],
             "normalizer": normalizer and {"type": normalizer},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                *({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in regexes),
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+                *(r if isinstance(r, dict) else {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
+                                                 "invert": False} for r in regexes),
+                *([] if _byte_level({"type": "Sequence", "pretokenizers": regexes}) else
+                  [{"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}])]},
             "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
             "model": {"type": "BPE", "vocab": vocab, "merges": [[_spell(a), _spell(b)] for a, b in merges],
                       "ignore_merges": ignore_merges, "unk_token": None, "byte_fallback": False},

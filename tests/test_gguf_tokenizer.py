@@ -1,0 +1,173 @@
+"""GGUF tokenizers, whatever the model's architecture.
+
+SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`) against transformers' own conversion of
+the same file; byte-level BPE pre-tokenizer names (`tokenizer.ggml.pre`) against `tokenizers` set up as
+each reference model's tokenizer.json sets it up. Every file is written here with gguf.GGUFWriter,
+from vocabularies `tokenizers` trains on the fixtures' corpus.
+"""
+
+import json
+from functools import cache
+from pathlib import Path
+
+import gguf
+import pytest
+import tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+from lmstack import Tokenizer, UnsupportedModel
+from lmstack.tokenizer import BYTE_CHARS
+
+CORPUS = (Path(__file__).parent / "fixtures" / "tokenizers" / "sample_corpus.txt").read_text(encoding="utf-8")
+EXTRA = ["1234567 12 3.14159 x=100000;", "日本語中文 한국어 ひらがな カタカナ", "$+<=>^~|` a+b<=c", "Hello!!! ... ???",
+         "  spaces   \n\n\t tabs \r\n", "don't I'M we'VE", "²³¹ ½ ٣٤ ⅷ", "🦙 emoji", "e\u0301 decomposed", "Ⅻ ÀÉÎ ǅ",
+         "[1,2,3] {'a': 'b'}", "    indented code\n\tand(tab)", "  "]
+TEXTS = CORPUS.split("\n") + EXTRA
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def write(path, arch, tokens, types, **keys):
+    """A GGUF holding only tokenizer metadata (and the few model keys transformers reads for its config)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1), writer.add_context_length(64), writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16), writer.add_head_count(2), writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_token_list(tokens), writer.add_token_types(types)
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+# ---- SentencePiece ----------------------------------------------------------------------------
+
+@cache
+def sentencepiece_vocabulary():
+    """A Llama-2-style vocabulary: "▁" for spaces, <0xNN> byte tokens, control and user-defined tokens."""
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    specials = ["<unk>", "<s>", "</s>", *BYTES, "<|im_start|>", "<tool>"]
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=600, limit_alphabet=90, special_tokens=specials))
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    assert [model["vocab"][t] for t in tokens] == list(range(len(tokens)))
+    kinds = {"<unk>": 2, "<s>": 3, "</s>": 3, "<|im_start|>": 3, "<tool>": 4, **dict.fromkeys(BYTES, 6)}
+    types = [kinds.get(t, 1) for t in tokens]
+    scores = [0.0 if t in kinds else -float(i) for i, t in enumerate(tokens)]  # SentencePiece: earlier is better
+    return tokens, types, scores, [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("with_merges", [False, True])
+def test_sentencepiece_gguf_equals_transformers(tmp_path, arch, with_merges):
+    from transformers import AutoTokenizer
+
+    tokens, types, scores, merges = sentencepiece_vocabulary()
+    write(tmp_path / "m.gguf", arch, tokens, types, tokenizer_model="llama", token_scores=scores,
+          bos_token_id=1, eos_token_id=2, unk_token_id=0, chat_template="{{ bos_token }}{{ messages[0].content }}",
+          **({"token_merges": merges} if with_merges else {}))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    tok = Tokenizer.from_pretrained(tmp_path / "m.gguf")
+    texts = TEXTS + ["<s> and <tool> and <|im_start|> as text", ""]
+    expected = [reference.encode(text) for text in texts]
+    assert tok.encode_batch(texts, allow_special=True) == expected
+    assert {"<0xF0>", "<0x9F>"} <= set(reference.convert_ids_to_tokens(reference.encode("🦙")))  # byte fallback
+    assert [tok.decode(ids) for ids in expected] == [reference.decode(ids) for ids in expected]
+    assert tok.encode("<tool>") != tok.encode("<tool>", allow_special=True)
+    conversation = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(conversation) == reference.apply_chat_template(conversation, tokenize=False)
+
+
+def test_sentencepiece_without_a_prefix_space_is_refused_by_name(tmp_path):
+    tokens, types, scores, _ = sentencepiece_vocabulary()
+    write(tmp_path / "m.gguf", "llama", tokens, types, tokenizer_model="llama", token_scores=scores,
+          add_space_prefix=False)
+    with pytest.raises(UnsupportedModel, match="tokenizer.ggml.add_space_prefix = false"):
+        Tokenizer.from_pretrained(tmp_path / "m.gguf")
+
+
+# ---- byte-level BPE, by pre-tokenizer name ----------------------------------------------------
+
+GPT2_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+DEEPSEEK_LETTERS = (  # the reference tokenizer.json's class of letters
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ"
+    "-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄ"
+    "ῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ"
+    "-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲"
+    "𑢠-𑣟𞤀-𞥃]+")
+
+
+def split(*regexes, then=()):
+    steps = [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
+    return pre_tokenizers.Sequence([*steps, *then, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# name -> (an architecture that uses it, the reference pre-tokenizer, its normalizer, ignore_merges)
+REFERENCES = {
+    "gpt-2": ("gpt2", GPT2_BYTE_LEVEL, None, False),
+    "mpt": ("mpt", GPT2_BYTE_LEVEL, None, False),
+    "starcoder": ("starcoder2", pre_tokenizers.Sequence([pre_tokenizers.Digits(True), GPT2_BYTE_LEVEL]), None, False),
+    "refact": ("refact", pre_tokenizers.Sequence([pre_tokenizers.Digits(True), GPT2_BYTE_LEVEL]), None, False),
+    "smollm": ("llama", pre_tokenizers.Sequence([pre_tokenizers.Digits(True), GPT2_BYTE_LEVEL]), None, False),
+    "command-r": ("command-r", pre_tokenizers.Sequence([pre_tokenizers.Digits(True), GPT2_BYTE_LEVEL]), None, False),
+    "llama-bpe": ("llama", split(GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]), None, True),
+    "qwen2": ("qwen2", split(GGUF_PRE_TOKENIZER_SPLITS["qwen2"]), "NFC", False),
+    "qwen35": ("qwen35", split(GGUF_PRE_TOKENIZER_SPLITS["qwen35"]), "NFC", False),
+    "gpt-4o": ("gpt-oss", split(GGUF_PRE_TOKENIZER_SPLITS["gpt-4o"]), None, False),
+    "deepseek-llm": ("deepseek", split("[\r\n]", DEEPSEEK_LETTERS, r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
+                                      "[一-龥ࠀ-一가-퟿]+", then=[pre_tokenizers.Digits(False)]), None, False),
+    "deepseek-coder": ("llama", split("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+",
+                                      then=[pre_tokenizers.Digits(True)]), None, False),
+    "deepseek-v3": ("deepseek2", split(r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+                                       r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"
+                                       r"[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), None, False),
+    "falcon": ("falcon", pre_tokenizers.Sequence([
+        pre_tokenizers.Punctuation("contiguous"), GPT2_BYTE_LEVEL, pre_tokenizers.Digits(False),
+        pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), "isolated")]), None, False),
+}
+
+
+@cache
+def byte_level_vocabulary():
+    """A byte-level BPE trained on the corpus: (tokens, merges) as a GGUF spells them, and the tokenizers model."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=1500, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    return tokens, [" ".join(m) if isinstance(m, list) else m for m in model["merges"]], model
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_pre_tokenizer_names_cut_and_merge_as_the_reference(tmp_path, name):
+    arch, pre_tokenizer, normalizer, ignore_merges = REFERENCES[name]
+    tokens, merges, model = byte_level_vocabulary()
+    write(tmp_path / "m.gguf", arch, tokens, [3] + [1] * (len(tokens) - 1), tokenizer_model="gpt2",
+          tokenizer_pre=name, token_merges=merges, eos_token_id=0)
+    tok = Tokenizer.from_pretrained(tmp_path / "m.gguf")
+    reference = tokenizers.Tokenizer(models.BPE(model["vocab"], [tuple(m.split(" ")) for m in merges],
+                                                ignore_merges=ignore_merges))
+    reference.normalizer = normalizer and normalizers.NFC()
+    reference.pre_tokenizer = pre_tokenizer
+    reference.add_special_tokens(["<|endoftext|>"])
+    byte_of = {c: b for b, c in enumerate(BYTE_CHARS)}
+    for text in TEXTS:
+        normalized = reference.normalizer.normalize_str(text) if reference.normalizer else text
+        pieces = [bytes(byte_of[c] for c in piece) for piece, _ in pre_tokenizer.pre_tokenize_str(normalized)]
+        assert tok.pretokenize(text.encode()) == pieces, text
+    assert tok.encode_batch(TEXTS, add_special_tokens=False, allow_special=True) == [
+        e.ids for e in reference.encode_batch(TEXTS)]
+
+
+def test_unknown_pre_tokenizer_and_model_are_refused_by_name(tmp_path):
+    tokens, merges, _ = byte_level_vocabulary()
+    types = [1] * len(tokens)
+    write(tmp_path / "a.gguf", "gpt2", tokens, types, tokenizer_model="gpt2", tokenizer_pre="klingon",
+          token_merges=merges)
+    with pytest.raises(UnsupportedModel, match="tokenizer.ggml.pre 'klingon' is not supported"):
+        Tokenizer.from_pretrained(tmp_path / "a.gguf")
+    write(tmp_path / "b.gguf", "bert", tokens, types, tokenizer_model="bert")
+    with pytest.raises(UnsupportedModel, match="tokenizer.ggml.model 'bert' is not supported"):
+        Tokenizer.from_pretrained(tmp_path / "b.gguf")
