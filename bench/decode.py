@@ -1,7 +1,7 @@
 """Prefill and decode speed of lmstack per weight format, against transformers and llama.cpp, in one run.
 
     python bench/decode.py                      # the default model (SmolLM2-135M-Instruct GGUF)
-    python bench/decode.py --model PATH_OR_GGUF --formats float32,bfloat16,int8
+    python bench/decode.py --model PATH_OR_GGUF --formats float32,bfloat16,int8 --profiles fp32
 
 Machines here are noisy (memory bandwidth drifts by 2x between sittings), so every number is printed
 beside a baseline measured in the same run: transformers in the same dtype (bfloat16 for int8/int4),
@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from lmstack import CausalLM, kernels, models
+from lmstack.formats import PROFILES_OF
 from lmstack.gguf import convert, is_gguf
 
-HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
+HF_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # transformers' baseline: the profile's arithmetic
 LLAMA_CPP_TYPES = ("BF16", "Q8_0", "Q4_0")
 SILENT = None  # llama.cpp's log callback, made on first use (its per-tensor log would fill the screen)
 
@@ -141,7 +142,7 @@ def quantized_ggufs(source: Path, workdir: Path) -> dict:
     return out
 
 
-def load_peak(path, weight_format) -> dict:
+def load_peak(path, weight_format, profile) -> dict:
     """Load in a fresh process: the peak of resident memory (VmHWM) over the resident memory before the
     load, once the format's kernels (and so their libraries) have run on a toy matrix."""
     code = f"""
@@ -150,11 +151,11 @@ from lmstack import CausalLM
 from lmstack.formats import convert, resolve
 torch.set_num_threads(2)
 def status(key): return int(open('/proc/self/status').read().split(key + ':')[1].split()[0]) * 1024
-dtype = resolve({weight_format!r}, None)
+dtype = resolve({weight_format!r}, {profile!r})
 convert(torch.nn.Linear(64, 64).to(dtype), {weight_format!r}, dtype)(torch.ones(2, 64, dtype=dtype))
 before = status('VmRSS')
 start = time.perf_counter()
-lm = CausalLM.load({str(path)!r}, weight_format={weight_format!r}, device='cpu')
+lm = CausalLM.load({str(path)!r}, weight_format={weight_format!r}, numeric_profile={profile!r}, device='cpu')
 print(json.dumps(dict(seconds=time.perf_counter() - start, peak=status('VmHWM') - before)))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -165,6 +166,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory, GGUF file or name (default: smollm2)")
     parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
+    parser.add_argument("--profiles", default="fp32,bf16", help="numeric profiles, each with every format it takes")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -194,31 +196,32 @@ def main():
           f"read bandwidth: {bandwidth:.1f} GB/s\n")
 
     rows, baselines = [], {}
-    for weight_format in args.formats.split(","):
-        lm = CausalLM.load(checkpoint, weight_format=weight_format, device="cpu")
+    runs = [(f, p) for p in args.profiles.split(",") for f in args.formats.split(",") if p in PROFILES_OF[f]]
+    for weight_format, profile in runs:
+        lm = CausalLM.load(checkpoint, weight_format=weight_format, numeric_profile=profile, device="cpu")
         prefill, decode = lmstack_speeds(lm, prompt, long_prompt, args.new_tokens, args.repeats)
         weight_bytes = bytes_per_token(lm)
         model_bytes = weight_bytes + lm.embed.numel() * lm.embed.element_size()
         del lm
-        dtype = HF_DTYPE[weight_format]
+        dtype = HF_DTYPE[profile]
         if not args.no_transformers and dtype not in baselines:
             baselines[dtype] = transformers_speeds(checkpoint, dtype, prompt, long_prompt, args.new_tokens,
                                                    args.repeats)
         hf_prefill, hf_decode = baselines.get(dtype, (float("nan"), float("nan")))
         bound = bandwidth * 1e9 / weight_bytes
-        load = load_peak(checkpoint, weight_format)
-        rows.append((weight_format, prefill, prefill / hf_prefill, decode, decode / hf_decode,
+        load = load_peak(checkpoint, weight_format, profile)
+        rows.append((f"{weight_format}/{profile}", prefill, prefill / hf_prefill, decode, decode / hf_decode,
                      weight_bytes / 1e6, decode / bound, load["peak"] / model_bytes, load["seconds"]))
-        print(f"  measured {weight_format}", file=sys.stderr)
+        print(f"  measured {weight_format}/{profile}", file=sys.stderr)
 
-    print(f"{'format':<9} {'prefill/s':>9} {'vs HF':>6} {'decode/s':>9} {'vs HF':>6} {'MB/token':>9} "
+    print(f"{'format':<13} {'prefill/s':>9} {'vs HF':>6} {'decode/s':>9} {'vs HF':>6} {'MB/token':>9} "
           f"{'of bound':>8} {'load peak':>9} {'load s':>6}")
     for fmt, prefill, prefill_ratio, decode, decode_ratio, mb, fraction, peak, seconds in rows:
-        print(f"{fmt:<9} {prefill:9.0f} {prefill_ratio:5.2f}x {decode:9.1f} {decode_ratio:5.2f}x {mb:9.0f} "
+        print(f"{fmt:<13} {prefill:9.0f} {prefill_ratio:5.2f}x {decode:9.1f} {decode_ratio:5.2f}x {mb:9.0f} "
               f"{fraction:7.0%} {peak:8.2f}x {seconds:6.2f}")
     for dtype, (prefill, decode) in baselines.items():
         print(f"transformers {str(dtype).removeprefix('torch.')}: prefill {prefill:.0f}/s, decode {decode:.1f}/s")
-    print("(vs HF: against transformers in the same dtype, bfloat16 for int8/int4; of bound: decode speed over "
+    print("(vs HF: against transformers in the profile's dtype; of bound: decode speed over "
           "read bandwidth / weight bytes per token; load peak: peak RSS of the load over the weight bytes)")
 
     if args.no_llama_cpp or not is_gguf(source):

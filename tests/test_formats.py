@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmstack import CausalLM, UnsupportedModel
+from lmstack import CausalLM, UnsupportedModel, kernels
 from lmstack.formats import INT4_GROUP, Int4Linear, Int8Linear, MatvecLinear, resolve
 
 
@@ -24,20 +24,49 @@ IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("weight_format, profile, module, tolerance", [
-    ("bfloat16", None, MatvecLinear, 3e-2),
-    ("bfloat16", "fp32", nn.Module, 1e-2),
+    ("bfloat16", None, MatvecLinear, 1e-2),
+    ("bfloat16", "bf16", MatvecLinear, 3e-2),
     ("int8", None, Int8Linear, 5e-2),
-    ("int8", "fp32", Int8Linear, 5e-2),
+    ("int8", "bf16", Int8Linear, 5e-2),
     ("int4", None, Int4Linear, 3e-1),
+    ("int4", "bf16", Int4Linear, 3e-1),
 ])
 def test_formats_stay_close_to_float32(llama, weight_format, profile, module, tolerance):
     path, reference = llama
     lm = CausalLM.load(path, weight_format=weight_format, numeric_profile=profile, device="cpu")
     assert isinstance(lm.blocks[0].attn.qkv, module)
+    assert (lm.weight_format, lm.numeric_profile) == (weight_format, profile or "fp32")  # as resolved
+    dtype = torch.bfloat16 if profile == "bf16" else torch.float32  # the arithmetic's, whatever the storage
+    assert lm.embed.dtype == lm.head_projection.weight.dtype == lm.norm.weight.dtype == dtype
     delta = relative_delta(lm.forward(IDS), reference.forward(IDS))
     print(f"{weight_format}/{profile or 'default'}: max |delta logit| / scale = {delta:.3g}")
     assert delta < tolerance
     assert lm.generate(IDS, 4).shape == (2, IDS.shape[1] + 4)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_bfloat16_storage_computes_in_float32_by_default(tiny_checkpoint, monkeypatch, kernels_on):
+    """On a bfloat16 checkpoint, weight_format='bfloat16' stores the very values float32 holds: under the default
+    profile the logits, prefill and decode, differ from float32's only by float32 summation order."""
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    path, _ = tiny_checkpoint("llama_bf16")
+    models = {name: CausalLM.load(path, weight_format=fmt, numeric_profile=profile, device="cpu")
+              for name, fmt, profile in [("float32", "float32", None), ("bfloat16", "bfloat16", None),
+                                         ("bf16 arithmetic", "bfloat16", "bf16")]}
+    assert models["bfloat16"].blocks[0].mlp.down.weight.dtype == torch.bfloat16  # stored as bfloat16
+    assert models["bfloat16"].blocks[0].mlp.down.kernel == kernels_on
+
+    def logits(lm):
+        state = lm.allocate_state(2, 20)
+        steps = [lm.forward(IDS, state)] + [lm.step(IDS[:, i], state)[:, None] for i in range(4)]
+        return torch.cat(steps, dim=1)
+
+    expected = logits(models["float32"])
+    deltas = {name: relative_delta(logits(lm), expected) for name, lm in models.items() if name != "float32"}
+    print(f"kernels {'on' if kernels_on else 'off'}: max |delta logit| / scale against float32: {deltas}")
+    assert deltas["bfloat16"] < 1e-6  # float32 rounding: a few ulps of the logit scale
+    assert deltas["bf16 arithmetic"] > 1e-3  # the explicit choice does change the arithmetic
 
 
 def test_int8_weights_are_within_half_a_step_of_the_originals(llama):
@@ -50,7 +79,7 @@ def test_int8_weights_are_within_half_a_step_of_the_originals(llama):
         step = w.abs().amax(dim=1, keepdim=True) / 127
         assert ((dequantized[name] - w).abs() <= step * (0.5 + 2**-8)).all(), name  # bf16 scales
     assert lm.blocks[0].mlp.down.weight.dtype == torch.int8
-    assert lm.embed.dtype == torch.bfloat16 and lm.norm.weight.dtype == torch.bfloat16  # floating point stays
+    assert lm.embed.dtype == torch.float32 and lm.norm.weight.dtype == torch.float32  # floating point stays
 
 
 def test_int4_groups_are_within_half_a_step(llama):
@@ -67,7 +96,6 @@ def test_int4_groups_are_within_half_a_step(llama):
     ("int3", None, "weight_format 'int3'"),
     ("float32", "fp16", "numeric_profile 'fp16'"),
     ("float32", "bf16", "numeric_profile 'bf16' is not available with weight_format 'float32'"),
-    ("int4", "fp32", "numeric_profile 'fp32' is not available with weight_format 'int4'"),
 ])
 def test_unknown_or_unavailable_pairs_are_refused_by_name(weight_format, profile, words):
     with pytest.raises(ValueError, match=words):
@@ -81,12 +109,12 @@ def test_refusal_comes_before_any_weight_is_read(tmp_path, llama):
         CausalLM.load(tmp_path, numeric_profile="fp64", device="cpu")
 
 
-def test_quantized_formats_are_refused_for_recurrent_models(tmp_path):
+def test_int4_is_refused_for_recurrent_models(tmp_path):
     config = dict(model_type="mamba", hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
-    with pytest.raises(UnsupportedModel, match="weight_format 'int8'.*mamba"):
-        CausalLM.load(tmp_path, weight_format="int8", device="cpu")
+    with pytest.raises(UnsupportedModel, match="weight_format 'int4'.*mamba"):
+        CausalLM.load(tmp_path, weight_format="int4", device="cpu")
 
 
 def test_int8_greedy_text_leaves_float32_only_at_near_ties(smollm2_hf):

@@ -67,6 +67,23 @@ def test_matvec_int8(m, n, k, dtype):
     assert_rounded_once(out, exact)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_matvec_f32(m, n, k, weight_dtype):
+    """float32 activations: bfloat16 weights widened exactly; float32 ones summed in float64, so each output
+    is the exact result rounded once."""
+    own = torch.Generator().manual_seed(m * n * k)
+    x, w, b = (torch.randn(shape, generator=own) for shape in [(m, k), (n, k), (n,)])
+    w = w.to(weight_dtype)
+    exact = x.double() @ w.double().T + b.double()
+    out = kernels.matvec_f32(x, w, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    if weight_dtype == torch.float32:
+        assert torch.equal(out, exact.float())
+    assert_rounded_once(out, exact)
+
+
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -148,6 +165,10 @@ def test_bad_operands_are_refused_by_name():
         kernels.matvec_bf16(randn(1, 5), randn(3, 6), None)
     with pytest.raises(RuntimeError, match="bias must be a contiguous bfloat16 vector of 3"):
         kernels.matvec_bf16(randn(1, 6), randn(3, 6), randn(4))
+    with pytest.raises(RuntimeError, match="matvec_f32: x must be a float32 CPU tensor"):
+        kernels.matvec_f32(randn(1, 6), randn(3, 6), None)
+    with pytest.raises(RuntimeError, match="matvec_f32: bias must be a contiguous float32 vector of 3"):
+        kernels.matvec_f32(randn(1, 6, dtype=torch.float32), randn(3, 6), randn(3))
     with pytest.raises(RuntimeError, match=r"w must be int8 tiled as \(1, 1, 8, 32\)"):
         kernels.matvec_int8(randn(1, 6), torch.zeros(3, 6, dtype=torch.int8), torch.ones(3), None)
     with pytest.raises(RuntimeError, match="weight has 7 entries for rows of 8"):
@@ -164,11 +185,12 @@ def test_bad_operands_are_refused_by_name():
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant, weight_format", [("llama_bias", "bfloat16"), ("qwen3", "bfloat16"),
-                                                    ("llama_tied_gqa", "bfloat16"), ("llama_bias", "int8"),
-                                                    ("llama_tied_gqa", "int8"), ("qwen3", "float32"),
-                                                    ("llama_tied_gqa", "float32")])
-def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, monkeypatch, variant, weight_format):
+@pytest.mark.parametrize("variant, weight_format, profile", [
+    ("llama_bias", "bfloat16", "bf16"), ("qwen3", "bfloat16", "bf16"), ("llama_tied_gqa", "bfloat16", "bf16"),
+    ("llama_bias", "int8", "bf16"), ("llama_tied_gqa", "int8", "bf16"), ("llama_bias", "bfloat16", None),
+    ("llama_tied_gqa", "int8", None), ("qwen3", "float32", None), ("llama_tied_gqa", "float32", None)])
+def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, monkeypatch, variant, weight_format,
+                                                            profile):
     """The kernels and PyTorch's operators differ only in float32 summation order."""
     path, _ = tiny_checkpoint(variant)
     ids = torch.randint(0, 256, (2, 9), generator=generator)
@@ -178,19 +200,21 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
         steps = [lm.forward(ids, state)[:, -1]] + [lm.step(ids[:, i:i + 1], state).reshape(2, -1) for i in range(4)]
         return torch.stack(steps).float()
 
-    fast = CausalLM.load(path, weight_format=weight_format, device="cpu")
+    fast = CausalLM.load(path, weight_format=weight_format, numeric_profile=profile, device="cpu")
     with_kernels = decode(fast)
     monkeypatch.setattr(kernels, "available", lambda: False)
-    plain = CausalLM.load(path, weight_format=weight_format, device="cpu")
+    plain = CausalLM.load(path, weight_format=weight_format, numeric_profile=profile, device="cpu")
+    down = fast.blocks[0].mlp.down, plain.blocks[0].mlp.down
     if weight_format == "float32":
-        assert fast.blocks[0].mlp.down.weight.dtype == torch.float32  # packed either way; the activations differ
-    elif weight_format == "bfloat16":
-        assert isinstance(fast.blocks[0].mlp.down, MatvecLinear) and isinstance(plain.blocks[0].mlp.down, PackedLinear)
+        assert isinstance(down[0], MatvecLinear) and down[0].kernel and not down[1].kernel
+    elif weight_format == "bfloat16" and profile == "bf16":
+        assert isinstance(down[0], MatvecLinear) and isinstance(down[1], PackedLinear)
     else:
-        assert fast.blocks[0].mlp.down.kernel and not plain.blocks[0].mlp.down.kernel
+        assert down[0].kernel and not down[1].kernel
         assert torch.equal(fast.parameters()["model.layers.0.mlp.down_proj.weight"],
-                           plain.parameters()["model.layers.0.mlp.down_proj.weight"])  # the same int8 values
+                           plain.parameters()["model.layers.0.mlp.down_proj.weight"])  # the same stored values
     without = decode(plain)
     delta = float((with_kernels - without).abs().max() / without.abs().max())
-    print(f"{variant} {weight_format}: max |delta logit| / scale with and without the kernels = {delta:.3g}")
-    assert delta < (1e-5 if weight_format == "float32" else 0.03)
+    print(f"{variant} {weight_format}/{profile or 'fp32'}: max |delta logit| / scale with and without the kernels "
+          f"= {delta:.3g}")
+    assert delta < (0.03 if profile == "bf16" else 1e-5)

@@ -57,7 +57,7 @@ def test_greedy_generate_matches_transformers(tiny_checkpoint, name):
 def test_bfloat16_matches_transformers_bfloat16(tiny_checkpoint, name):
     path, _ = tiny_checkpoint(name)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    lm = CausalLM.load(path, weight_format="bfloat16", device="cpu")
+    lm = CausalLM.load(path, weight_format="bfloat16", numeric_profile="bf16", device="cpu")
     ids = torch.randint(0, lm.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = reference(ids).logits.float()
@@ -66,16 +66,20 @@ def test_bfloat16_matches_transformers_bfloat16(tiny_checkpoint, name):
     assert delta <= 2e-2
 
 
-def test_bfloat16_load_keeps_checkpoint_bits(tiny_checkpoint):
+@pytest.mark.parametrize("profile", [None, "bf16"])
+def test_bfloat16_load_keeps_checkpoint_bits(tiny_checkpoint, profile):
+    """Projections keep their bits; the embedding, norms and head take the arithmetic's dtype (exactly)."""
     from safetensors.torch import load_file
 
     path, _ = tiny_checkpoint("llama_bf16")
-    lm = CausalLM.load(path, weight_format="bfloat16", device="cpu")
+    lm = CausalLM.load(path, weight_format="bfloat16", numeric_profile=profile, device="cpu")
     saved = load_file(path / "model.safetensors")
     weights = lm.parameters()
     for name, tensor in saved.items():
         assert tensor.dtype == torch.bfloat16
-        assert torch.equal(weights[name].view(torch.int16), tensor.view(torch.int16)), name
+        held = weights[name]
+        assert held.dtype == (torch.bfloat16 if profile or name.endswith("proj.weight") else torch.float32), name
+        assert torch.equal(held.bfloat16().view(torch.int16), tensor.view(torch.int16)), name
 
 
 def test_sharded_checkpoint_reads_every_shard(tiny_checkpoint):

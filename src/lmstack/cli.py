@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     def weight_options(p):
         p.add_argument("--weight-format", default="float32", choices=sorted(WEIGHT_FORMATS))
         p.add_argument("--numeric-profile", default=None, choices=sorted(NUMERIC_PROFILES),
-                       help="the arithmetic (default: the weight format's own; see formats.py)")
+                       help="the arithmetic (default: fp32 for every format; bf16: faster, see formats.py)")
         p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
 
     def model_options(p, max_new_tokens):

@@ -235,7 +235,8 @@ def _mamba_weights(plan: ModelPlan, prefix: str) -> list:
         names += ["mixer.in_proj.bias", "mixer.out_proj.bias"]
     if o["conv_bias"]:
         names.append("mixer.conv1d.bias")
-    return [(name, prefix + name, None) for name in names]
+    keys = {"mixer.dt_proj.bias": "mixer.dt_bias"}  # Mamba 1's, kept float32 apart from its (re-storable) matrix
+    return [(keys.get(name, name), prefix + name, None) for name in names]
 
 
 class _Fields:

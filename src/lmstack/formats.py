@@ -1,18 +1,23 @@
 """Weight formats (how projection matrices are stored) and numeric profiles (the arithmetic).
 
-| weight_format | bytes/weight | default profile | other profile | matmul on CPU (few rows / many rows)     |
-|---------------|--------------|-----------------|---------------|------------------------------------------|
-| float32       | 4            | fp32            | -             | oneDNN-packed                            |
-| bfloat16      | 2            | bf16            | fp32          | kernels.matvec_bf16 / F.linear           |
-| int8          | 1            | bf16            | fp32          | kernels.matvec_int8 / dequantized matmul |
-| int4          | 0.5          | bf16            | -             | torch._weight_int4pack_mm_for_cpu        |
+Storage is not arithmetic: the default profile, fp32, computes in float32 whatever the format, its
+bfloat16 and int8 weights widened inside the matmul; under it the embedding table, the norms and the
+head are float32. bf16 is the explicit fast-arithmetic choice: activations, embedding and head in bfloat16.
+
+| weight_format | bytes/weight | profiles  | matmul on CPU, fp32 (few rows / many rows)  | bf16 (few rows)          |
+|---------------|--------------|-----------|---------------------------------------------|--------------------------|
+| float32       | 4            | fp32      | kernels.matvec_f32 / F.linear               | -                        |
+| bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16      |
+| int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
+| int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
-layout, PyTorch's packed CPU kernel). Only the four projection matrices of each block are quantized:
-the embedding table, the norms and the head keep the profile's floating-point type. Where lmstack's
-kernels cannot run (kernels.py), bfloat16 is oneDNN-packed, int8 few-row products use
-torch._weight_int8pack_mm (bf16 profile) or dequantize per call (fp32). Off CPU, float32 and bfloat16
-are plain nn.Linear. bfloat16 weights in the fp32 profile are upcast per call: exact arithmetic, slower.
+layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
+weights do not depend on the profile. Only the projection matrices of each block are re-stored. Where
+lmstack's kernels cannot run (kernels.py): float32 is F.linear (oneDNN's packed float32 is faster for one
+row, and 2-3x further from a float64 run on real weights), bfloat16 in bf16 oneDNN-packed, in fp32 widened
+per call; int8 few-row products use torch._weight_int8pack_mm (bf16) or dequantize per call (fp32).
+Off CPU, F.linear multiplies, bfloat16 weights widened per call under fp32.
 """
 
 import threading
@@ -26,13 +31,13 @@ from . import kernels
 from .config import UnsupportedModel
 
 NUMERIC_PROFILES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DEFAULT_PROFILE = {"float32": "fp32", "bfloat16": "bf16", "int8": "bf16", "int4": "bf16"}
-WEIGHT_FORMATS = tuple(DEFAULT_PROFILE)
+DEFAULT_PROFILE = "fp32"
+PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("fp32", "bf16"), "int8": ("fp32", "bf16"), "int4": ("fp32", "bf16")}
+WEIGHT_FORMATS = tuple(PROFILES_OF)
 QUANTIZED = ("int8", "int4")
-PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("bf16", "fp32"), "int8": ("bf16", "fp32"), "int4": ("bf16",)}
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
-BF16_KERNEL_ROWS = 8  # and lmstack's bfloat16 kernel beats F.linear
+MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 
 
 _ROW_INVARIANT = threading.local()
@@ -40,7 +45,7 @@ _ROW_INVARIANT = threading.local()
 
 @contextmanager
 def row_invariant():
-    """Within it (in this thread), bfloat16 and int8 matmuls take lmstack's kernels whatever the number of rows, so
+    """Within it (in this thread), matmuls take lmstack's kernels (where they run) whatever the number of rows, so
     a row's arithmetic never depends on how many rows share the call: F.linear picks its kernel by shape."""
     previous = getattr(_ROW_INVARIANT, "on", False)
     _ROW_INVARIANT.on = True
@@ -56,9 +61,9 @@ def _row_invariant() -> bool:
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
     """The compute dtype for a (format, profile) pair; unknown or unsupported pairs are refused by name."""
-    if weight_format not in DEFAULT_PROFILE:
-        raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(DEFAULT_PROFILE)}")
-    profile = DEFAULT_PROFILE[weight_format] if numeric_profile is None else numeric_profile
+    if weight_format not in PROFILES_OF:
+        raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(PROFILES_OF)}")
+    profile = DEFAULT_PROFILE if numeric_profile is None else numeric_profile
     if profile not in NUMERIC_PROFILES:
         raise ValueError(f"numeric_profile {profile!r} is not one of {', '.join(NUMERIC_PROFILES)}")
     if profile not in PROFILES_OF[weight_format]:
@@ -67,11 +72,16 @@ def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
     return NUMERIC_PROFILES[profile]
 
 
+def profile_of(dtype: torch.dtype) -> str:
+    """The numeric profile that computes in dtype."""
+    return next(name for name, d in NUMERIC_PROFILES.items() if d == dtype)
+
+
 def check_format(weight_format: str, plan):
     """Refuse, before any weight is read, a format the plan's kind or matrix widths cannot take."""
-    if weight_format in QUANTIZED and plan.kind != "transformer":
-        raise UnsupportedModel(f"weight_format {weight_format!r} is not available for {plan.kind} models "
-                               f"(model_type {plan.model_type!r}); use float32 or bfloat16")
+    if weight_format == "int4" and plan.kind != "transformer":
+        raise UnsupportedModel(f"weight_format 'int4' is not available for {plan.kind} models "
+                               f"(model_type {plan.model_type!r}); use float32, bfloat16 or int8")
     if weight_format == "int4":
         o = plan.block_options
         widths = {"hidden_size": plan.d_model, "intermediate_size": o["d_ff"],
@@ -84,8 +94,8 @@ def check_format(weight_format: str, plan):
 class PackedLinear(nn.Module):
     """Weights reordered once into oneDNN's blocked layout (what torch.compile's CPU backend does).
 
-    On CPU it reads float32 and bfloat16 weights two to three times faster than F.linear for one row
-    (decode) and is no slower for many (prefill). lmstack's bfloat16 kernel is faster still (MatvecLinear).
+    For bfloat16 arithmetic on CPUs without lmstack's kernels: it reads bfloat16 weights two to three times
+    faster than F.linear for one row (decode) and is no slower for many (prefill).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -112,9 +122,10 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         self.shape = tuple(w.shape)
-        # rounded to the compute dtype first, so each weight lands within half a step of the stored scale
+        # rounded to bfloat16 first (in either profile, so storage does not depend on the arithmetic), so
+        # each weight lands within half a step of the stored scale
         absmax = torch.maximum(w.amax(dim=1), -w.amin(dim=1))
-        self.scales = (absmax / 127).clamp(min=torch.finfo(compute).tiny).to(compute).float()
+        self.scales = (absmax / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).bfloat16().float()
         q = w / self.scales[:, None]  # the one full-size temporary: a load stays lean
         q = q.round_().clamp_(-127, 127).to(torch.int8)
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
@@ -144,7 +155,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Asymmetric int4 in groups of INT4_GROUP inputs: w ~= (q - 8) * scale + zero, 0 <= q <= 15."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, compute: torch.dtype):
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -155,12 +166,12 @@ class Int4Linear(nn.Module):
         q = (groups - zero).div_(scale).add_(8).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
         self.weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scales_zeros = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], -1).transpose(0, 1)
-        self.scales_zeros = self.scales_zeros.contiguous().bfloat16()
-        self.bias = None if linear.bias is None else linear.bias.detach().bfloat16()
+        self.scales_zeros = self.scales_zeros.contiguous().to(compute)  # bfloat16 values: exact in float32
+        self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
         self.in_features = k
 
     def dense_weight(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.weight.device)
         return self._matmul(eye).float().T  # what the kernel computes with, column by column
 
     def _matmul(self, x):
@@ -172,31 +183,20 @@ class Int4Linear(nn.Module):
 
 
 class MatvecLinear(nn.Module):
-    """bfloat16 weights as they are: lmstack's kernel for a few rows (decode), F.linear for more (prefill)."""
+    """A float32 or bfloat16 matrix as it is: lmstack's kernels for a few rows (decode), F.linear for more
+    (prefill). Under float32 activations bfloat16 weights are widened, exactly, and multiplied in float32."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype):
         super().__init__()
-        self.weight = linear.weight.detach()
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach().to(compute)
+        self.kernel = self.weight.is_cpu and kernels.available()
 
     def forward(self, x):
-        if x.numel() <= BF16_KERNEL_ROWS * self.weight.shape[1] or _row_invariant():
+        if self.kernel and (x.numel() <= MATVEC_ROWS * self.weight.shape[1] or _row_invariant()):
+            if x.dtype == torch.float32:
+                return kernels.matvec_f32(x, self.weight, self.bias)
             return kernels.matvec_bf16(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.weight
-
-
-class UpcastLinear(nn.Module):
-    """Weights kept in their storage dtype, multiplied in the (wider) compute dtype."""
-
-    def __init__(self, linear: nn.Linear, compute: torch.dtype):
-        super().__init__()
-        self.weight = linear.weight.detach().to(torch.bfloat16)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
-
-    def forward(self, x):
         return F.linear(x, self.weight.to(x.dtype), self.bias)
 
     def dense_weight(self) -> torch.Tensor:
@@ -204,30 +204,29 @@ class UpcastLinear(nn.Module):
 
 
 def _fast_cpu_linear(linear: nn.Linear) -> nn.Module:
-    """A float32 or bfloat16 matrix in its fastest CPU form (the same module elsewhere)."""
+    """A float32 or bfloat16 matrix, computed in its own dtype, in its fastest exact form (F.linear off CPU)."""
     weight = linear.weight
-    if weight.device.type != "cpu":
-        return linear
-    if weight.dtype == torch.bfloat16 and kernels.available():
-        return MatvecLinear(linear)
-    if torch.backends.mkldnn.is_available():
+    if weight.is_cpu and weight.dtype == torch.bfloat16 and not kernels.available() and \
+            torch.backends.mkldnn.is_available():
         return PackedLinear(linear)
-    return linear
+    return MatvecLinear(weight, linear.bias, weight.dtype)  # float32 never oneDNN-packed: it is less accurate
 
 
 def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.Module:
-    """The module that runs `linear` in `weight_format`."""
+    """The module that runs `linear` (filled in float32, or in bfloat16 when both format and arithmetic are)
+    stored in `weight_format`, computing in `compute`."""
     if weight_format == "int8":
         return Int8Linear(linear, compute)
     if weight_format == "int4":
-        return Int4Linear(linear)  # check_format made sure of the device and the widths
+        return Int4Linear(linear, compute)  # check_format made sure of the device and the widths
     if weight_format == "bfloat16" and compute == torch.float32:
-        return UpcastLinear(linear, compute)
+        return MatvecLinear(linear.weight.to(torch.bfloat16), linear.bias, compute)
     return _fast_cpu_linear(linear)
 
 
 def head_projection(weight: torch.Tensor) -> nn.Module:
-    """The head's matmul in its fastest form; on CPU without lmstack's kernels a tied head is a packed copy."""
+    """The head's matmul in its fastest form, in the weight's dtype; on CPU without lmstack's kernels a tied
+    bfloat16 head is a packed copy."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return _fast_cpu_linear(linear)

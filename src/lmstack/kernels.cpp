@@ -188,6 +188,84 @@ void rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K3
   }
 }
 
+// dot products of one float64 row x with ROWS float32 rows of w (row stride K), summed in float64: each product
+// is exact and the sum nearly so, so each result is rounded about once (more accurately than a float32 GEMM,
+// at the same memory traffic); prefetching as dot_bf16 does
+template <int ROWS>
+__attribute__((always_inline)) inline void dot_f64(const double* x, const float* w, int64_t K, double* out) {
+  __m512d acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_pd();
+  const char* next_tile = (const char*)(w + ROWS * K);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16, next_tile += ROWS * 64) {
+    if constexpr (ROWS > 1)
+      for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
+    const __m512d x0 = _mm512_loadu_pd(x + k), x1 = _mm512_loadu_pd(x + k + 8);
+    for (int r = 0; r < ROWS; r++) {
+      acc[r] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(w + r * K + k)), x0, acc[r]);
+      acc[r] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(w + r * K + k + 8)), x1, acc[r]);
+    }
+  }
+  for (; k < K; k += 8) {
+    const __mmask8 m = (__mmask8)((1u << std::min<int64_t>(K - k, 8)) - 1);
+    const __m512d xv = _mm512_maskz_loadu_pd(m, x + k);
+    for (int r = 0; r < ROWS; r++)
+      acc[r] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, w + r * K + k)), xv, acc[r]);
+  }
+  for (int r = 0; r < ROWS; r++) out[r] = _mm512_reduce_add_pd(acc[r]);
+}
+
+// dot products of one float32 row x with ROWS bfloat16 rows of w, the weights widened exactly to float32 and
+// summed in float32 (the float64 sum of dot_f64 would make this compute-bound); two accumulators per row
+template <int ROWS>
+__attribute__((always_inline)) inline void dot_bf16_f32(const float* x, const uint16_t* w, int64_t K, float* out) {
+  __m512 even[ROWS], odd[ROWS];
+  for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
+  const char* next_tile = (const char*)(w + ROWS * K);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32, next_tile += ROWS * 64) {
+    if constexpr (ROWS > 1)
+      for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int r = 0; r < ROWS; r++) {
+      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)(w + r * K + k))), x0, even[r]);
+      odd[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)(w + r * K + k + 16))), x1, odd[r]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = first(K - k);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+    for (int r = 0; r < ROWS; r++)
+      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, w + r * K + k)), xv, even[r]);
+  }
+  for (int r = 0; r < ROWS; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
+  store_sums<ROWS>(even, out);
+}
+
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for float32 x (M x K; with float32 w, its float64 copy xd), float32 or
+// bfloat16 w, float32 bias and y
+template <typename W>
+void rows_f32(const float* x, const double* xd, int64_t M, const W* w, int64_t N, int64_t K, const float* bias,
+              float* y, int64_t n0, int64_t n1) {
+  std::conditional_t<std::is_same_v<W, float>, double, float> sums[TILE];  // the bias is added to these
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    for (int64_t m = 0; m < M; m++) {
+      const auto dot = [&]<int ROWS>(int64_t r) {
+        if constexpr (std::is_same_v<W, float>)
+          dot_f64<ROWS>(xd + m * K, w + (n + r) * K, K, sums + r);
+        else
+          dot_bf16_f32<ROWS>(x + m * K, w + (n + r) * K, K, sums + r);
+      };
+      if (rows == TILE)
+        dot.template operator()<TILE>(0);
+      else
+        for (int64_t r = 0; r < rows; r++) dot.template operator()<1>(r);
+      for (int64_t r = 0; r < rows; r++) y[m * N + n + r] = float(bias ? sums[r] + bias[n + r] : sums[r]);
+    }
+  }
+}
+
 // x's shape with n in place of its last dimension
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -214,6 +292,35 @@ at::Tensor matvec_bf16(const at::Tensor& x_, const at::Tensor& w, const std::opt
   const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
   split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_bf16(xp, M, wp, N, K, bp, yp, n0, n1); });
+  return y;
+}
+
+// float32 x (M, K) with float32 or bfloat16 w (N, K), bfloat16 weights widened exactly to float32
+at::Tensor matvec_f32(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "matvec_f32: x must be a float32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "matvec_f32: w must be a contiguous 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(-1) == w.size(1), "matvec_f32: x has ", x.size(-1), " columns, w has ", w.size(1));
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == w.size(0) &&
+                    bias->scalar_type() == at::kFloat,
+                "matvec_f32: bias must be a contiguous float32 vector of ", w.size(0));
+  const int64_t N = w.size(0), K = w.size(1), M = K ? x.numel() / K : 0;
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  const auto* xp = static_cast<const float*>(x.data_ptr());
+  const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) : nullptr;
+  auto* yp = static_cast<float*>(y.data_ptr());
+  if (w.scalar_type() == at::kFloat) {
+    const auto* wp = static_cast<const float*>(w.data_ptr());
+    const std::vector<double> xd(xp, xp + M * K);
+    split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_f32(xp, xd.data(), M, wp, N, K, bp, yp, n0, n1); });
+  } else {
+    const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+    split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_f32(xp, nullptr, M, wp, N, K, bp, yp, n0, n1); });
+  }
   return y;
 }
 
@@ -622,6 +729,7 @@ at::Tensor silu_mul(const at::Tensor& x_) {
 
 TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
+  m.def("matvec_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_f32);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
   m.def(

@@ -68,6 +68,13 @@ def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.lmstack.matvec_bf16(x, weight, bias)
 
 
+def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for a few rows of float32 x, weight float32 or bfloat16 (widened exactly), summed
+    in float64 for float32 weights (each output the exact result rounded about once, more accurately than a
+    float32 GEMM), in float32 for bfloat16 ones (float64 would make them compute-bound)."""
+    return torch.ops.lmstack.matvec_f32(x, weight, bias)
+
+
 def tile_int8(q: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8 reads."""
     n, k = q.shape

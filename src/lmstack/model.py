@@ -18,7 +18,7 @@ from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError
 from .config import HFConfig, ModelPlan, plan_for, read_json
-from .formats import QUANTIZED, check_format, convert, head_projection, resolve
+from .formats import QUANTIZED, check_format, convert, head_projection, profile_of, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
 from .sampling import Sampler
@@ -218,6 +218,7 @@ class CausalLM:
                  weight_format=None):
         self.plan = plan
         self.dtype = dtype  # the arithmetic: activations, caches, embedding, norms, head
+        self.numeric_profile = profile_of(dtype)
         self.weight_format = weight_format or str(dtype).removeprefix("torch.")
         self.device = resolve_device(device)
         # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
@@ -339,8 +340,8 @@ class CausalLM:
                 if key.startswith(path + "."):
                     self._converted[name] = (stored, rows, key.rsplit(".", 1)[1])
                     del self._weights[name]
-        if self.weight_format in QUANTIZED:  # the norms left in float32 take the arithmetic's dtype
-            block.to(self.dtype)
+        if self.weight_format in QUANTIZED:  # what was filled in float32 takes the arithmetic's dtype
+            block.to(self.dtype) if self.plan.kind == "transformer" else block.compute_in(self.dtype)
             for key, name, rows in self.plan.layer_weights(i):
                 if name in self._weights:
                     param = block.get_parameter(key)
@@ -366,7 +367,7 @@ class CausalLM:
     def __repr__(self):
         p = self.plan
         return (f"CausalLM({p.model_type}, layers={p.n_layers}, d_model={p.d_model}, vocab={p.vocab_size}, "
-                f"weight_format={self.weight_format}, dtype={str(self.dtype).removeprefix('torch.')}, "
+                f"weight_format={self.weight_format}, numeric_profile={self.numeric_profile}, "
                 f"device={self.device})")
 
     # ---- state ---------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Prefill scans in chunks of SCAN_CHUNK tokens; inside a chunk a Hillis-Steele sca
 vectorized steps, so no Python loop runs over single time steps. Decoding one token is the same code
 with a chunk of one.
 
-bfloat16: the projections and the conv run in bfloat16, as in transformers; A_log, D, dt_proj's bias and
-the norm weights stay float32, and so do the scan and the SSM state, because the decay exp(dt * A)
-compounds over every token and bfloat16's 8-bit mantissa would drift. The residual stream is float32
+The bf16 numeric profile: the projections and the conv run in bfloat16, as in transformers; A_log, D,
+dt_proj's bias and the norm weights stay float32, and so do the scan and the SSM state, because the decay
+exp(dt * A) compounds over every token and bfloat16's 8-bit mantissa would drift. Weight formats re-store
+the four projections only (PROJECTIONS). The residual stream is float32
 when the config says residual_in_fp32 (its default).
 """
 
@@ -92,8 +93,8 @@ class Mamba1Mixer(nn.Module):
         self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=o["bias"], dtype=dtype)
         self.conv1d = nn.Conv1d(d_inner, d_inner, o["d_conv"], groups=d_inner, bias=o["conv_bias"], dtype=dtype)
         self.x_proj = nn.Linear(d_inner, rank + 2 * n, bias=False, dtype=dtype)
-        self.dt_proj = nn.Linear(rank, d_inner, dtype=dtype)
-        self.dt_proj.bias = nn.Parameter(torch.empty(d_inner), requires_grad=False)  # float32, added after the matmul
+        self.dt_proj = nn.Linear(rank, d_inner, bias=False, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(d_inner), requires_grad=False)  # float32, added after the matmul
         self.A_log = nn.Parameter(torch.empty(d_inner, n), requires_grad=False)
         self.D = nn.Parameter(torch.empty(d_inner), requires_grad=False)
         self.out_proj = nn.Linear(d_inner, d_model, bias=o["bias"], dtype=dtype)
@@ -103,7 +104,7 @@ class Mamba1Mixer(nn.Module):
         x, z = self.in_proj(h).chunk(2, dim=-1)
         x = causal_conv(x.transpose(1, 2), self.conv1d, cache, ctx).transpose(1, 2)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias)
+        dt = F.softplus(self.dt_proj(dt).float() + self.dt_bias)
         y, last = selective_scan(x.float(), dt, -torch.exp(self.A_log), B.float(), C.float(),
                                  None if fresh else cache.ssm)
         if cache is not None:
@@ -121,6 +122,7 @@ class Mamba1Block(nn.Module):
     """x + mixer(norm(x)); the residual stream turns float32 after the first block when residual_in_fp32."""
 
     Mixer = Mamba1Mixer
+    PROJECTIONS = ("mixer.in_proj", "mixer.x_proj", "mixer.dt_proj", "mixer.out_proj")  # what a format re-stores
 
     def __init__(self, d_model: int, options: dict, dtype):
         super().__init__()
@@ -131,6 +133,11 @@ class Mamba1Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: SSMCache | None, ctx: RecurrentContext) -> torch.Tensor:
         h = self.mixer(self.norm(x.to(self.dtype)).to(self.dtype), cache, ctx)
         return (x.float() if self.residual_in_fp32 else x) + h
+
+    def compute_in(self, dtype):
+        """Run the (re-stored) projections and the conv in dtype; A_log, D, the dt bias and the norms stay float32."""
+        self.dtype = dtype
+        self.mixer.conv1d.to(dtype)
 
     def new_cache(self, batch: int, max_tokens: int | None, dtype, device) -> SSMCache:
         """The state does not grow with the tokens: max_tokens is not needed."""

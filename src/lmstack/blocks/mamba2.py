@@ -5,8 +5,8 @@ Prefill runs the SSD chunked algorithm (Dao & Gu 2024): inside a chunk the scan 
 SPAN_CHUNKS chunks at a time bound the memory of long prompts. Decoding one token is the plain
 recurrence. Heads are laid out (groups, heads per group) so B and C are never repeated per head.
 
-bfloat16: the projections and the conv run in bfloat16, as in transformers; A_log, D, dt_bias and the
-norm weights stay float32, and so do the SSD arithmetic and the SSM state (the decay compounds over
+The bf16 numeric profile: the projections and the conv run in bfloat16, as in transformers; A_log, D,
+dt_bias and the norm weights stay float32, and so do the SSD arithmetic and the SSM state (the decay compounds over
 every token). The residual stream is float32 when the config says residual_in_fp32 (its default).
 """
 
@@ -138,3 +138,4 @@ class Mamba2Mixer(nn.Module):
 
 class Mamba2Block(Mamba1Block):
     Mixer = Mamba2Mixer
+    PROJECTIONS = ("mixer.in_proj", "mixer.out_proj")
