@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from lmstack import CausalLM, UnsupportedModel, kernels
@@ -104,7 +105,7 @@ def test_unknown_or_unavailable_pairs_are_refused_by_name(weight_format, profile
 
 def test_refusal_comes_before_any_weight_is_read(tmp_path, llama):
     (tmp_path / "config.json").write_bytes((llama[0] / "config.json").read_bytes())
-    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    save_file({"unrelated": torch.zeros(1)}, tmp_path / "model.safetensors")  # reading a weight would fail
     with pytest.raises(ValueError, match="numeric_profile 'fp64'"):
         CausalLM.load(tmp_path, numeric_profile="fp64", device="cpu")
 
@@ -112,7 +113,7 @@ def test_refusal_comes_before_any_weight_is_read(tmp_path, llama):
 def test_int4_is_refused_for_recurrent_models(tmp_path):
     config = dict(model_type="mamba", hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    save_file({"unrelated": torch.zeros(1)}, tmp_path / "model.safetensors")  # reading a weight would fail
     with pytest.raises(UnsupportedModel, match="weight_format 'int4'.*mamba"):
         CausalLM.load(tmp_path, weight_format="int4", device="cpu")
 
@@ -151,6 +152,6 @@ def test_int8_greedy_text_leaves_float32_only_at_near_ties(smollm2_hf):
 def test_int4_widths_are_checked_before_any_weight_is_read(tmp_path, llama):
     config = json.loads((llama[0] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
-    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    save_file({"unrelated": torch.zeros(1)}, tmp_path / "model.safetensors")  # reading a weight would fail
     with pytest.raises(ValueError, match="intermediate_size divisible by 32, got 100"):
         CausalLM.load(tmp_path, weight_format="int4", device="cpu")
