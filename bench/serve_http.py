@@ -2,8 +2,9 @@
 
 Each level runs N concurrent clients, each streaming `--requests` completions of `--tokens` tokens (greedy, a
 different short prompt each) back to back; it reports the aggregate completion tokens/s over the level's wall
-time, the p50/p95 of a request's latency (sent to last token) and of its time to first token. The two
-servers alternate level by level, so each ratio compares runs minutes apart on the same machine.
+time, the p50/p95 of a request's latency (sent to last token) and of its time to first token. The servers
+alternate level by level, so each ratio compares runs minutes apart on the same machine; "engine" is the
+same requests on lmstack's Engine in this process, without HTTP.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the default model's weights requantized to
 BF16 by `llama-quantize` (found beside it), 2 threads and one slot per client of the largest level:
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a dragon who bakes bread",
@@ -82,14 +84,24 @@ def stream_one(port: int, model: str, prompt: str, tokens: int) -> dict:
     return dict(latency=end - start, ttft=(first or end) - start, tokens=made if made is not None else chunks)
 
 
-def level(port: int, model: str, clients: int, requests: int, tokens: int) -> dict:
+def engine_one(engine, tokenizer, prompt: str, tokens: int) -> dict:
+    """The same request on an Engine in this process: what HTTP costs is the difference."""
+    start = time.perf_counter()
+    handle = engine.add(tokenizer.encode(prompt), max_tokens=tokens, temperature=0)
+    for _ in handle.text_pieces():
+        pass
+    return dict(latency=time.perf_counter() - start, ttft=handle.time_to_first_token, tokens=handle.completion_tokens)
+
+
+def level(one, clients: int, requests: int) -> dict:
+    """`clients` threads, each making `requests` requests one after another with one(prompt)."""
     results, errors = [], []
 
     def client(i):
         try:
             for k in range(requests):
                 topic = TOPICS[(i + k * clients) % len(TOPICS)]
-                results.append(stream_one(port, model, f"Once upon a time, there was {topic} who", tokens))
+                results.append(one(f"Once upon a time, there was {topic} who"))
         except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
@@ -109,6 +121,18 @@ def level(port: int, model: str, clients: int, requests: int, tokens: int) -> di
 def percentiles(values):
     values = sorted(values)
     return tuple(values[min(len(values) - 1, round(q * (len(values) - 1)))] for q in (0.5, 0.95))
+
+
+def in_process_engine(args):
+    """(Engine, Tokenizer) of the same model and settings as the server's, in this process."""
+    import torch
+
+    from lmstack import models
+    from lmstack.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    lm, tokenizer = models.load(args.model, weight_format=args.weight_format)
+    return Engine(lm, tokenizer, max_running=max(args.clients)).start(), tokenizer
 
 
 def start_lmstack(args, env) -> tuple:
@@ -151,7 +175,7 @@ def main():
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     src = str(Path(__file__).parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    servers = {}
+    servers, engine = {}, None
     with tempfile.TemporaryDirectory() as workdir:
         try:
             servers["lmstack"] = start_lmstack(args, env)[:2]
@@ -167,27 +191,28 @@ def main():
                 print("llama-server: not measured (give --llama-server PATH)")
             print(f"lmstack serve --model {args.model} --weight-format {args.weight_format}; {args.requests} "
                   f"requests of {args.tokens} tokens per client; machine shared, so compare ratios only\n")
-            for name, (_, port) in servers.items():  # warm up: kernels compiled, caches touched
-                level(port, args.model, 2, 1, 8)
+            runs = {name: partial(stream_one, port, args.model, tokens=args.tokens)
+                    for name, (_, port) in servers.items()}
+            engine, tokenizer = in_process_engine(args)
+            runs["engine"] = partial(engine_one, engine, tokenizer, tokens=args.tokens)
+            for one in runs.values():  # warm up: kernels compiled, caches touched
+                level(one, 2, 1)
             rows = {}
             for clients in args.clients:
-                for name, (_, port) in servers.items():
-                    rows[clients, name] = level(port, args.model, clients, args.requests, args.tokens)
-            header = f"{'clients':>7}  {'server':<12} {'tok/s':>7} {'lat p50':>8} {'lat p95':>8} " \
-                     f"{'ttft p50':>8} {'ttft p95':>8} {'tok/req':>7}"
-            if len(servers) > 1:
-                header += "  lmstack/llama-server tok/s, p95"
-            print(header)
+                for name, one in runs.items():
+                    rows[clients, name] = level(one, clients, args.requests)
+            print(f"{'clients':>7}  {'server':<12} {'tok/s':>7} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>8} "
+                  f"{'ttft p95':>8} {'tok/req':>7}  lmstack over it: tok/s, lat p95")
             for clients in args.clients:
-                for name in servers:
-                    r = rows[clients, name]
-                    line = (f"{clients:>7}  {name:<12} {r['rate']:7.1f} {r['latency'][0]:8.2f} {r['latency'][1]:8.2f} "
-                            f"{r['ttft'][0]:8.3f} {r['ttft'][1]:8.3f} {r['tokens']:7.1f}")
-                    if name == "lmstack" and len(servers) > 1:
-                        other = rows[clients, "llama-server"]
-                        line += f"  {r['rate'] / other['rate']:.2f}x, {r['latency'][1] / other['latency'][1]:.2f}x"
-                    print(line)
+                for name in runs:
+                    r, ours = rows[clients, name], rows[clients, "lmstack"]
+                    print(f"{clients:>7}  {name:<12} {r['rate']:7.1f} {r['latency'][0]:8.2f} {r['latency'][1]:8.2f} "
+                          f"{r['ttft'][0]:8.3f} {r['ttft'][1]:8.3f} {r['tokens']:7.1f}" +
+                          ("" if name == "lmstack" else f"  {ours['rate'] / r['rate']:.2f}x, "
+                                                         f"{ours['latency'][1] / r['latency'][1]:.2f}x"))
         finally:
+            if engine is not None:
+                engine.close()
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=30)
