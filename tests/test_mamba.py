@@ -7,7 +7,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from lmstack import CausalLM, ConfigError, UnsupportedModel, plan_for
+from lmstack import CausalLM, ConfigError, HFConfig, UnsupportedModel, plan_for
 
 BASE = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, initializer_range=0.1)
 
@@ -248,3 +248,10 @@ def test_block_kwargs_carry_mamba2_dt_limit_only(checkpoint):
     assert CausalLM.load(path, device="cpu").plan.block_kwargs == {
         "dt_limit": tuple(reference.config.time_step_limit)}
     assert CausalLM.load(checkpoint("mamba")[0], device="cpu").plan.block_kwargs == {}
+
+
+def test_built_from_weights_equals_loaded(checkpoint):
+    path, reference = checkpoint("mamba2_groups_tied")
+    lm = CausalLM(plan_for(HFConfig.from_json(path)), reference.state_dict(), device="cpu")
+    ids = ids_for((2, 7), 5)
+    assert torch.equal(lm.forward(ids), CausalLM.load(path, device="cpu").forward(ids))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmstack import CausalLM, CausalLMState, Checkpoint, CheckpointError, SafetensorsFile
+from lmstack import (CausalLM, CausalLMState, Checkpoint, CheckpointError, HFConfig, ParallelCausalLM, SafetensorsFile,
+                     plan_for)
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +337,90 @@ def test_model_attributes_of_the_page(llama, tiny_checkpoint):
         config["hidden_size"], config["num_hidden_layers"], "transformer", config["vocab_size"], 128)
     assert lm.norm_eps == config["rms_norm_eps"] and lm.device == torch.device("cpu")
     assert lm.plan.block_kwargs == {}
+
+
+# ---- the page's constructor: "CausalLM(plan, weights, *, weight_format='float32', max_positions=None,
+# device='auto', numeric_profile=None)", weights by checkpoint name
+
+def plan_of(path):
+    return plan_for(HFConfig.from_json(path))
+
+
+@pytest.mark.parametrize("options", [{}, dict(weight_format="bfloat16", numeric_profile="fp32"),
+                                     dict(weight_format="int8"), dict(max_positions=16)], ids=str)
+def test_built_from_weights_equals_loaded(llama, options):
+    path, _ = llama
+    loaded = CausalLM.load(path, device="cpu", **options)
+    built = CausalLM(plan_of(path), load_file(path / "model.safetensors"), device="cpu", **options)
+    ids = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert torch.equal(built.forward(ids), loaded.forward(ids))
+    assert (built.weight_format, built.dtype, built.max_positions) == (loaded.weight_format, loaded.dtype,
+                                                                       loaded.max_positions)
+    assert built.config is None and built.eos_ids == () and built.unused_names == []
+
+
+def test_built_from_parameters_of_a_trained_model_and_holds_its_own_copy(tiny_checkpoint):
+    path, reference = tiny_checkpoint("llama_sharded")
+    weights = {name: tensor.clone() for name, tensor in reference.state_dict().items()}  # e.g. after training
+    lm = CausalLM(plan_of(path), weights, device="cpu")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    expected = reference(ids).logits
+    torch.testing.assert_close(lm.forward(ids), expected, rtol=0, atol=1e-5)
+    again = CausalLM(lm.plan, lm.parameters(), device="cpu")
+    assert torch.equal(again.forward(ids), lm.forward(ids))
+    for tensor in weights.values():
+        tensor.zero_()
+    torch.testing.assert_close(lm.forward(ids), expected, rtol=0, atol=1e-5)
+
+
+def load_error(path, tmp_path, change):
+    """The message load gives for a checkpoint changed by `change`, and the one the constructor gives."""
+    target = copy_checkpoint(path, tmp_path)
+    saved = load_file(target / "model.safetensors")
+    change(saved)
+    save_file(saved, target / "model.safetensors")
+    with pytest.raises(CheckpointError) as loaded:
+        CausalLM.load(target, device="cpu")
+    with pytest.raises(CheckpointError) as built:
+        CausalLM(plan_of(target), saved, device="cpu")
+    return str(loaded.value), str(built.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda w: w.pop("model.norm.weight"), "missing tensor 'model.norm.weight'"),
+    (lambda w: w.update({"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 95)}),
+     "tensor 'model.layers.1.mlp.down_proj.weight' has shape [64, 95], the config implies [64, 96]"),
+    (lambda w: w["model.layers.0.input_layernorm.weight"].__setitem__(0, float("inf")),
+     "tensor 'model.layers.0.input_layernorm.weight' holds non-finite values"),
+    (lambda w: w.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}),
+     "tensor 'model.norm.weight' has dtype I32, expected a float dtype"),
+], ids=["missing", "shape", "non-finite", "dtype"])
+def test_built_from_weights_refuses_as_load_refuses(llama, tmp_path, change, words):
+    loaded, built = load_error(llama[0], tmp_path, change)
+    assert words in loaded
+    assert built.removeprefix("weights: ") == loaded[loaded.index(words):]  # load's words, less its file name
+
+
+def test_built_from_weights_refuses_what_is_not_a_tensor(llama):
+    path, _ = llama
+    weights = load_file(path / "model.safetensors")
+    with pytest.raises(TypeError, match="weights must map"):
+        CausalLM(plan_of(path), list(weights.values()), device="cpu")
+    with pytest.raises(TypeError, match=r"weights\['model.norm.weight'\] is a ndarray"):
+        CausalLM(plan_of(path), {**weights, "model.norm.weight": np.ones(64)}, device="cpu")
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype torch.complex64"):
+        CausalLM(plan_of(path), {**weights, "model.norm.weight": torch.ones(64, dtype=torch.complex64)},
+                 device="cpu")
+    with pytest.raises(ValueError, match="max_positions 129 exceeds"):
+        CausalLM(plan_of(path), weights, device="cpu", max_positions=129)
+
+
+def test_parallel_built_from_weights(llama):
+    path, lm = llama
+    weights = load_file(path / "model.safetensors")
+    with ParallelCausalLM(plan_of(path), weights, layer_devices=["cpu", "cpu"]) as parallel:
+        assert torch.equal(parallel.forward([[1, 2, 3]]), lm.forward([[1, 2, 3]]))
+    with pytest.raises(TypeError, match="layer_devices"):
+        ParallelCausalLM(plan_of(path), weights, layer_devices=["cpu", "cpu"], device="cpu")
+    with pytest.raises(ValueError, match="layer_devices has 1 entries"):
+        ParallelCausalLM(plan_of(path), weights, layer_devices=["cpu"])

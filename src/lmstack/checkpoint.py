@@ -6,6 +6,7 @@ is refused with its path and tensor name instead of crashing or allocating what 
 
 import math
 import struct
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,3 +282,44 @@ def _read_index(index: Path) -> dict:
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names (got "
                               f"{type(where).__name__}{'' if where else ', empty'})")
     return where
+
+
+DTYPE_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
+
+
+class TensorDict:
+    """Tensors by checkpoint name, held in memory, read as a checkpoint's are (CausalLM(plan, weights))."""
+
+    path = "weights"
+
+    def __init__(self, weights):
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights must map checkpoint names to tensors, got {type(weights).__name__}")
+        for name, tensor in weights.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weights[{name!r}] is a {type(tensor).__name__}, not a torch.Tensor")
+        self._weights = weights
+
+    def names(self) -> list[str]:
+        return list(self._weights)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weights
+
+    def info(self, name: str) -> TensorInfo:
+        tensor = self._weights[name]
+        if not (tensor.is_floating_point() or tensor.dtype in DTYPE_NAMES):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
+        return TensorInfo(DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)), tuple(tensor.shape), self.path)
+
+    def read_into(self, name: str, dest: torch.Tensor):
+        dest.copy_(self._weights[name])
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

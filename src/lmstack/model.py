@@ -16,7 +16,7 @@ from torch import nn
 from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import HFConfig, ModelPlan, plan_for, read_json
 from .formats import QUANTIZED, check_format, convert, head_projection, profile_of, resolve
 from .gguf import GGUFFile, is_gguf
@@ -212,43 +212,15 @@ def _check_max_positions(plan: ModelPlan, max_positions):
 
 
 class CausalLM:
-    """A causal language model loaded from a checkpoint directory."""
+    """A causal language model: embedding gather, blocks, final norm and head, from a plan and its weights."""
 
-    def __init__(self, plan: ModelPlan, *, dtype=torch.float32, device="cpu", max_positions=None, layer_devices=None,
-                 weight_format=None):
-        self.plan = plan
-        self.dtype = dtype  # the arithmetic: activations, caches, embedding, norms, head
-        self.numeric_profile = profile_of(dtype)
-        self.weight_format = weight_format or str(dtype).removeprefix("torch.")
-        self.device = resolve_device(device)
-        # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
-        # The embedding lives with the first block, the norm and head with the last.
-        self.layer_devices = [self.device] * plan.n_layers if layer_devices is None else list(layer_devices)
-        if self.weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
-            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
-        self.vocab_size = plan.vocab_size
-        self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
-        with torch.device("meta"):
-            # quantized formats are filled in float32 and quantized from that, a layer at a time
-            fill = torch.float32 if self.weight_format in QUANTIZED else dtype
-            self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
-            self.norm = RMSNorm(plan.d_model, plan.norm_eps)
-        self.blocks.requires_grad_(False)  # left on meta: _fill allocates them a layer at a time
-        first, last = self.layer_devices[0], self.layer_devices[-1]
-        # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
-        self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
-        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
-        tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
-        self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
-        self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
-        self.rotary = None
-        if plan.kind == "transformer":
-            self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
-        self.config = None  # the HFConfig a load read the plan from
-        self.unused_names: list[str] = []
-        self.eos_ids: tuple[int, ...] = ()  # where generation stops, when asked to stop at the model's EOS
-        self._weights: dict[str, torch.Tensor] = {}
-        self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
+    def __init__(self, plan: ModelPlan, weights, *, weight_format="float32", max_positions=None, device="auto",
+                 numeric_profile=None):
+        """A model from its plan and its weights by checkpoint name (what a safetensors file holds, or what
+        `parameters()` returns at float32): weights made in memory, e.g. by a training run. They are checked
+        as `load` checks a checkpoint's (missing, mis-shaped, non-finite tensors are refused by name)."""
+        self._build(plan, TensorDict(weights), weight_format=weight_format, numeric_profile=numeric_profile,
+                    max_positions=max_positions, device=device)
 
     d_model = property(lambda self: self.plan.d_model)
     n_layers = property(lambda self: self.plan.n_layers)
@@ -266,7 +238,7 @@ class CausalLM:
         `weight_format` is how projection matrices are stored, `numeric_profile` the arithmetic
         (see formats.py for the pairs). `progress(done, total)` is called after each tensor is read.
         """
-        dtype = resolve(weight_format, numeric_profile)
+        resolve(weight_format, numeric_profile)  # a bad pair is refused before a file is opened
         if isinstance(path, GGUFFile) or is_gguf(path):  # an open GGUFFile spares parsing its metadata twice
             source = path if isinstance(path, GGUFFile) else GGUFFile(path)
             config, directory = source.config, None
@@ -274,15 +246,63 @@ class CausalLM:
             path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
             source, directory = Checkpoint.open(path), config.path.parent
-        plan = plan_for(config)
-        _check_max_positions(plan, max_positions)
-        check_format(weight_format, plan)
-        _check_tensors(plan, source)
-        model = cls(plan, dtype=dtype, device=device, max_positions=max_positions, weight_format=weight_format)
-        model.config, model.eos_ids = config, eos_ids(config, directory)
-        with source:
-            model._fill(source, progress)
+        model = cls.__new__(cls)
+        model._build(plan_for(config), source, weight_format=weight_format, numeric_profile=numeric_profile,
+                     max_positions=max_positions, device=device, config=config, eos=eos_ids(config, directory),
+                     progress=progress)
         return model
+
+    def _build(self, plan: ModelPlan, source, *, weight_format, numeric_profile, max_positions, device, config=None,
+               eos=(), progress=None):
+        """The one way a model is made: arguments and the source's tensors checked against the plan before
+        anything is allocated, then the weights read from the source (closed after) a layer at a time."""
+        with source:
+            self.dtype = resolve(weight_format, numeric_profile)  # the arithmetic: activations, caches, embedding
+            self.numeric_profile = profile_of(self.dtype)
+            _check_max_positions(plan, max_positions)
+            check_format(weight_format, plan)
+            # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
+            # The embedding lives with the first block, the norm and head with the last.
+            self.layer_devices = self._layer_devices(device, plan.n_layers)
+            if weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
+                raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
+            _check_tensors(plan, source)
+            self.plan, self.config, self.eos_ids = plan, config, tuple(eos)  # eos_ids: where generation may stop
+            self.weight_format, self.vocab_size = weight_format, plan.vocab_size
+            self.device = next(d for d in self.layer_devices if d.type != "meta")
+            self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
+            self._allocate()
+            self._fill(source, progress)
+        release_freed_memory()  # what the source held (a GGUF file's parsed metadata), before the head's copy
+        self._check_finite()
+        if self.head.device.type != "meta":
+            self._store_head()
+
+    def _layer_devices(self, device, n_layers: int) -> list[torch.device]:
+        return [resolve_device(device)] * n_layers
+
+    def _allocate(self):
+        """Everything but the blocks' weights, which _fill allocates a layer at a time (blocks stay on meta)."""
+        plan, dtype = self.plan, self.dtype
+        with torch.device("meta"):
+            # quantized formats are filled in float32 and quantized from that, a layer at a time
+            fill = torch.float32 if self.weight_format in QUANTIZED else dtype
+            self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
+            self.norm = RMSNorm(plan.d_model, plan.norm_eps)
+        self.blocks.requires_grad_(False)
+        first, last = self.layer_devices[0], self.layer_devices[-1]
+        # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
+        self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
+        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
+        tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
+        self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
+        self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
+        self.rotary = None
+        if plan.kind == "transformer":
+            self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
+        self.unused_names: list[str] = []
+        self._weights: dict[str, torch.Tensor] = {}
+        self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
 
     def _targets(self):
         """(checkpoint name, layer or None, device, destination) for every tensor the plan reads; a layer's
@@ -312,9 +332,6 @@ class CausalLM:
                 release_freed_memory()
             if progress:
                 progress(done, len(targets))
-        self._check_finite()
-        if self.head.device.type != "meta":
-            self._store_head()
 
     def _store_head(self):
         """The head's matmul in its fast form (formats.head_projection); an untied dense head is dropped."""

@@ -44,13 +44,16 @@ class ParallelCausalLM(CausalLM):
     One call runs at a time: a second thread is refused rather than interleaved on the devices.
     """
 
-    def __init__(self, plan, *, device, **options):
-        # CausalLM.load builds the model as cls(plan, device=...): here that is load's layer_devices.
-        layer_devices = self._layer_devices(device, plan.n_layers)
-        home = next(d for d in layer_devices if d != META)
-        super().__init__(plan, device=home, layer_devices=layer_devices, **options)
+    def __init__(self, plan, weights, *, layer_devices, **options):
+        """CausalLM(plan, weights, ...)'s options, with one device per layer instead of `device`."""
+        if "device" in options:
+            raise TypeError("ParallelCausalLM takes layer_devices (one device per layer), not device")
+        super().__init__(plan, weights, device=layer_devices, **options)  # _layer_devices reads it per layer
+
+    def _build(self, *args, **kwargs):
         self._lock = threading.RLock()
         self.closed = False
+        super()._build(*args, **kwargs)
 
     @classmethod
     def load(cls, path, *, layer_devices, **options):
