@@ -219,8 +219,8 @@ class CausalLM:
         """A model from its plan and its weights by checkpoint name (what a safetensors file holds, or what
         `parameters()` returns at float32): weights made in memory, e.g. by a training run. They are checked
         as `load` checks a checkpoint's (missing, mis-shaped, non-finite tensors are refused by name)."""
-        self._build(plan, TensorDict(weights), weight_format=weight_format, numeric_profile=numeric_profile,
-                    max_positions=max_positions, device=device)
+        self._build(plan, partial(TensorDict, weights), weight_format=weight_format,
+                    numeric_profile=numeric_profile, max_positions=max_positions, device=device)
 
     d_model = property(lambda self: self.plan.d_model)
     n_layers = property(lambda self: self.plan.n_layers)
@@ -238,34 +238,34 @@ class CausalLM:
         `weight_format` is how projection matrices are stored, `numeric_profile` the arithmetic
         (see formats.py for the pairs). `progress(done, total)` is called after each tensor is read.
         """
-        resolve(weight_format, numeric_profile)  # a bad pair is refused before a file is opened
         if isinstance(path, GGUFFile) or is_gguf(path):  # an open GGUFFile spares parsing its metadata twice
-            source = path if isinstance(path, GGUFFile) else GGUFFile(path)
-            config, directory = source.config, None
+            gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+            config, directory, open_source = gguf.config, None, lambda: gguf
         else:
             path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
-            source, directory = Checkpoint.open(path), config.path.parent
+            directory, open_source = config.path.parent, partial(Checkpoint.open, path)
         model = cls.__new__(cls)
-        model._build(plan_for(config), source, weight_format=weight_format, numeric_profile=numeric_profile,
+        model._build(plan_for(config), open_source, weight_format=weight_format, numeric_profile=numeric_profile,
                      max_positions=max_positions, device=device, config=config, eos=eos_ids(config, directory),
                      progress=progress)
         return model
 
-    def _build(self, plan: ModelPlan, source, *, weight_format, numeric_profile, max_positions, device, config=None,
-               eos=(), progress=None):
-        """The one way a model is made: arguments and the source's tensors checked against the plan before
-        anything is allocated, then the weights read from the source (closed after) a layer at a time."""
-        with source:
-            self.dtype = resolve(weight_format, numeric_profile)  # the arithmetic: activations, caches, embedding
-            self.numeric_profile = profile_of(self.dtype)
-            _check_max_positions(plan, max_positions)
-            check_format(weight_format, plan)
-            # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
-            # The embedding lives with the first block, the norm and head with the last.
-            self.layer_devices = self._layer_devices(device, plan.n_layers)
-            if weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
-                raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
+    def _build(self, plan: ModelPlan, open_source, *, weight_format, numeric_profile, max_positions, device,
+               config=None, eos=(), progress=None):
+        """The one way a model is made: the arguments checked against the plan before the source of its
+        weights is opened, the source's tensors before anything is allocated; then the weights read (and
+        the source closed) a layer at a time."""
+        self.dtype = resolve(weight_format, numeric_profile)  # the arithmetic: activations, caches, embedding
+        self.numeric_profile = profile_of(self.dtype)
+        _check_max_positions(plan, max_positions)
+        check_format(weight_format, plan)
+        # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
+        # The embedding lives with the first block, the norm and head with the last.
+        self.layer_devices = self._layer_devices(device, plan.n_layers)
+        if weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
+            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
+        with open_source() as source:
             _check_tensors(plan, source)
             self.plan, self.config, self.eos_ids = plan, config, tuple(eos)  # eos_ids: where generation may stop
             self.weight_format, self.vocab_size = weight_format, plan.vocab_size
