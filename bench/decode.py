@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from lmstack import CausalLM, kernels, models
+from lmstack.convert import convert
 from lmstack.formats import PROFILES_OF
-from lmstack.gguf import convert, is_gguf
+from lmstack.gguf import is_gguf
 
 HF_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # transformers' baseline: the profile's arithmetic
 LLAMA_CPP_TYPES = ("BF16", "Q8_0", "Q4_0")

@@ -94,7 +94,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct GGUF) written as a Hugging Face directory by lmstack convert."""
-    from lmstack.gguf import convert
+    from lmstack.convert import convert
     from lmstack.models import smollm2
 
     out = tmp_path_factory.mktemp("smollm2-hf")
