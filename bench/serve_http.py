@@ -131,14 +131,15 @@ def in_process_engine(args):
     from lmstack.engine import Engine
 
     torch.set_num_threads(args.threads)
-    lm, tokenizer = models.load(args.model, weight_format=args.weight_format)
+    lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile)
     return Engine(lm, tokenizer, max_running=max(args.clients)).start(), tokenizer
 
 
 def start_lmstack(args, env) -> tuple:
     port = free_port()
     command = [sys.executable, "-m", "lmstack", "serve", "--model", args.model, "--port", str(port),
-               "--weight-format", args.weight_format, "--max-running", str(max(args.clients))]
+               "--weight-format", args.weight_format, "--numeric-profile", args.numeric_profile,
+               "--max-running", str(max(args.clients))]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, process, "lmstack serve")
     return process, port
@@ -165,6 +166,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weight-format", default="bfloat16")
+    parser.add_argument("--numeric-profile", default="bf16")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests per client per level")
     parser.add_argument("--tokens", type=int, default=64)
@@ -189,7 +191,8 @@ def main():
                       f"{max(args.clients)} slots")
             else:
                 print("llama-server: not measured (give --llama-server PATH)")
-            print(f"lmstack serve --model {args.model} --weight-format {args.weight_format}; {args.requests} "
+            print(f"lmstack serve --model {args.model} --weight-format {args.weight_format} --numeric-profile "
+                  f"{args.numeric_profile}; {args.requests} "
                   f"requests of {args.tokens} tokens per client; machine shared, so compare ratios only\n")
             runs = {name: partial(stream_one, port, args.model, tokens=args.tokens)
                     for name, (_, port) in servers.items()}
