@@ -42,8 +42,8 @@ class Message(Strict):
                 **self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
 
 
-NEUTRAL = dict(logit_bias=(None, {}), logprobs=(None, False), top_logprobs=(None,), echo=(None, False),
-               suffix=(None,), best_of=(None, 1), response_format=(None, {"type": "text"}), tool_choice=(None, "auto", "none"))
+NEUTRAL = dict(logit_bias=(None, {}), logprobs=(None, False), top_logprobs=(None,), echo=(None, False), suffix=(None,),
+               best_of=(None, 1), response_format=(None, {"type": "text"}), tool_choice=(None, "auto", "none"))
 WHY = dict(response_format=" (only 'text': lmstack has no constrained decoding)",
            tool_choice=" (only 'auto' and 'none': lmstack has no constrained decoding)")
 
