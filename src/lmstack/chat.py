@@ -4,13 +4,20 @@ A chat template is the checkpoint's code, so it runs in jinja2's immutable sandb
 transformers shows it and nothing more: the same globals, filters and `{% generation %}` tag, and its
 inputs rebuilt from plain JSON types (messages without their None-valued keys, reasoning also offered
 as `thinking`, special tokens only where the tokenizer defines them).
+
+It is also bounded: a render that runs past SECONDS is stopped (an exception raised in its thread), its
+output may not pass MAX_OUTPUT characters, and what one operation could allocate at once (`'a' * n`,
+`10 ** n`, `'%*d'`, a filter's or method's size argument such as `tojson(indent=n)`) is refused beyond
+MAX_OUTPUT characters or MAX_INT_BITS bits before it runs.
 """
 
+import ctypes
 import dataclasses
 import json
+import threading
 from collections.abc import Mapping
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import jinja2
 import jinja2.ext
@@ -22,6 +29,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # The tokenizer's named special tokens a template may read, as transformers passes them
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING = ("reasoning_content", "thinking", "reasoning")  # names a message's reasoning comes under
+SECONDS = 5.0  # one render's time; a real template takes milliseconds
+MAX_OUTPUT = 1 << 22  # characters of a render, and of any one string or list it builds at once
+MAX_INT_BITS = 1 << 12  # integers a template computes
 
 
 def select(templates, name=None, tools=None) -> str:
@@ -53,9 +63,65 @@ def render(template: str, messages, *, special_tokens: dict, add_generation_prom
                 raise ValueError(f"documents[{k}] is a {type(document).__name__}, expected a dict")
     chat = _plain([_message(m, k) for k, m in enumerate(_as_data(messages))])
     variables = _plain({**{k: v for k, v in special_tokens.items() if v is not None}, **variables})
-    return _compile(template).render(messages=_alias_reasoning(chat), tools=_plain(tools),
-                                     documents=_plain(documents), add_generation_prompt=add_generation_prompt,
-                                     **variables)
+    return _bounded(_compile(template), messages=_alias_reasoning(chat), tools=_plain(tools),
+                    documents=_plain(documents), add_generation_prompt=add_generation_prompt, **variables)
+
+
+class _Expired(BaseException):
+    """Raised in a rendering thread whose time is up (a BaseException, so the template cannot catch it)."""
+
+
+def _bounded(template: jinja2.Template, **context) -> str:
+    """Render within SECONDS and MAX_OUTPUT characters; a watchdog interrupts the rendering thread."""
+    thread, lock, state = threading.get_ident(), threading.Lock(), {"rendering": True, "fired": False}
+
+    def expire():
+        with lock:
+            if state["rendering"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(_Expired))
+
+    watchdog = threading.Timer(SECONDS, expire)
+    watchdog.daemon = True
+    try:
+        watchdog.start()
+        try:
+            pieces, size = [], 0
+            for piece in template.generate(**context):
+                size += len(piece)
+                if size > MAX_OUTPUT:
+                    raise jinja2.TemplateError(f"the rendered prompt passes {MAX_OUTPUT} characters")
+                pieces.append(piece)
+            return "".join(pieces)
+        finally:
+            with lock:
+                state["rendering"] = False
+                if state["fired"]:  # clear it, if it has not been raised yet
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+            watchdog.cancel()
+    except _Expired:
+        raise jinja2.TemplateError(f"rendering took more than {SECONDS} s") from None
+
+
+def _too_big(value) -> bool:
+    return type(value) is int and abs(value) > MAX_OUTPUT
+
+
+def _check_sizes(what: str, args):
+    for value in args:
+        if _too_big(value):
+            raise jinja2.exceptions.SecurityError(f"{what} with size argument {value} (at most {MAX_OUTPUT})")
+
+
+def _sized(function):
+    """A filter whose arguments after its value are checked as sizes (tojson's indent, center's width, ...)."""
+    skip = 2 if hasattr(function, "jinja_pass_arg") else 1
+
+    @wraps(function)
+    def checked(*args, **kwargs):
+        _check_sizes(f"filter {function.__name__}", (*args[skip:], *kwargs.values()))
+        return function(*args, **kwargs)
+    return checked
 
 
 def _message(message, k) -> dict:
@@ -164,11 +230,37 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, refusing an operation or call that would allocate beyond MAX_OUTPUT or MAX_INT_BITS at once."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
+            if right * abs(left).bit_length() > MAX_INT_BITS:
+                raise jinja2.exceptions.SecurityError(f"{left} ** {right} has more than {MAX_INT_BITS} bits")
+        if operator == "*":
+            for sequence, n in ((left, right), (right, left)):
+                if isinstance(sequence, (str, list, tuple)) and type(n) is int and len(sequence) * n > MAX_OUTPUT:
+                    raise jinja2.exceptions.SecurityError(f"a sequence of {len(sequence)} times {n} passes "
+                                                          f"{MAX_OUTPUT} items")
+            if type(left) is int and type(right) is int and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise jinja2.exceptions.SecurityError(f"a product of more than {MAX_INT_BITS} bits")
+        if operator == "%" and isinstance(left, str):
+            _check_sizes("'%' formatting", right if isinstance(right, tuple) else (right,))
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+        if __obj is not jinja2.sandbox.safe_range:  # range has its own limit
+            _check_sizes(f"call of {getattr(__obj, '__name__', type(__obj).__name__)}", (*args, *kwargs.values()))
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _sized(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     env.globals["dict"] = _Dict()

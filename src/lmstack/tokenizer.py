@@ -7,7 +7,9 @@ refused by name rather than silently dropped.
 """
 
 import json
+import math
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import tokenizers
@@ -18,6 +20,7 @@ from .gguf import GGUFHeader, TokenizerData, is_gguf, tokenizer_data
 from .pretokenizers import DIGIT, GGUF_PRE_TOKENIZERS, GPT2, PATTERNS
 
 NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD")
+MAX_EXPANSION = 16  # how many times longer a normalizer may make a text; real ones stay near 1
 MODELS = ("BPE", "WordPiece", "WordLevel", "Unigram")
 
 
@@ -216,6 +219,9 @@ class Tokenizer:
         top = max(vocab, key=vocab.get)
         if vocab[top] >= MAX_VOCAB:  # tables below are indexed by id: refuse before allocating them
             raise TokenizerError(f"{source}: token {top!r} has id {vocab[top]}, more than the {MAX_VOCAB} we allow")
+        if (factor := _expansion(spec.get("normalizer"))) > MAX_EXPANSION:  # chained, they abort the process
+            raise TokenizerError(f"{source}: the normalizer's Replace steps can make a text {factor:g} times longer "
+                                 f"(at most {MAX_EXPANSION})")
         # Without allow_special every added token's text is ordinary text, the non-special ones' too
         if all(token.special for token in self._special.get_added_tokens_decoder().values()):
             self._plain = tokenizers.Tokenizer.from_str(text)
@@ -253,8 +259,9 @@ class Tokenizer:
         """The pieces the BPE merges within, after normalization: the cut before any merge."""
         self._need_bytes("pretokenize")
         text = self._normalized(self._text(data))
-        return [piece.translate(_TO_LATIN1).encode("latin-1")
-                for piece, _ in self._plain.pre_tokenizer.pre_tokenize_str(text)]
+        with self._library():
+            pieces = self._plain.pre_tokenizer.pre_tokenize_str(text)
+        return [piece.translate(_TO_LATIN1).encode("latin-1") for piece, _ in pieces]
 
     def encode_bytes(self, data, *, allow_special=False) -> list[int]:
         """The ids of UTF-8 bytes, with no BOS/EOS added."""
@@ -268,7 +275,8 @@ class Tokenizer:
         """
         text = self._text(text)
         self._check_encodable(text)
-        ids = (self._special if allow_special else self._plain).encode(text, add_special_tokens=False).ids
+        with self._library():
+            ids = (self._special if allow_special else self._plain).encode(text, add_special_tokens=False).ids
         return self._prefix + ids + self._suffix if add_special_tokens else ids
 
     def encode_batch(self, texts, *, add_special_tokens=True, allow_special=False) -> list[list[int]]:
@@ -276,7 +284,8 @@ class Tokenizer:
         texts = [self._text(text) for text in texts]
         for k, text in enumerate(texts):
             self._check_encodable(text, f"text {k}: ")
-        encodings = (self._special if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)
+        with self._library():
+            encodings = (self._special if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)
         if add_special_tokens:
             return [self._prefix + e.ids + self._suffix for e in encodings]
         return [e.ids for e in encodings]
@@ -307,14 +316,14 @@ class Tokenizer:
         `chat_template` names one of the tokenizer's templates (by default "tool_use" when tools are
         given and it has one, else "default"); `variables` (enable_thinking, ...) reach the template as
         transformers hands them. The sandbox keeps the template from Python's internals, files and the
-        network; it does not bound the template's time or memory.
+        network, and bounds its time and memory (chat.py).
         """
         try:
             template = chat.select(self.chat_template, chat_template, tools)
             return chat.render(template, messages, special_tokens=self.special_tokens, tools=tools,
                                documents=documents, add_generation_prompt=add_generation_prompt, **variables)
         except Exception as e:  # the template is the checkpoint's code: any failure is its own
-            raise TokenizerError(f"{self.source}: chat template: {e}") from e
+            raise TokenizerError(f"{self.source}: chat template: {str(e) or type(e).__name__}") from e
 
     def _token_text(self, ids):
         return self.decode(ids[:1]) if ids else None
@@ -331,7 +340,19 @@ class Tokenizer:
             raise ValueError(f"{self.source}: not UTF-8: byte 0x{byte:02X} at position {e.start}") from None
 
     def _normalized(self, text: str) -> str:
-        return self._plain.normalizer.normalize_str(text) if self._plain.normalizer else text
+        with self._library():
+            return self._plain.normalizer.normalize_str(text) if self._plain.normalizer else text
+
+    @contextmanager
+    def _library(self):
+        """Any failure inside `tokenizers` (a pyo3 panic is a BaseException) as the file's TokenizerError."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise TokenizerError(f"{self.source}: tokenizers failed on this input ({type(e).__name__}: "
+                                 f"{str(e)[:200]})") from None
 
     def _check_encodable(self, text: str, where=""):
         """Refuse a character with a byte that has no token, which `tokenizers` would drop silently."""
@@ -451,6 +472,21 @@ def _chat_templates(directory: Path, template, config_file: Path):
                                  f"or a list of {{name, template}}")
         return template
     return named["default"] if list(named) == ["default"] else named
+
+
+def _expansion(normalizer) -> float:
+    """At most how many times longer the normalizer's Replace steps make a text (1: never longer)."""
+    if not isinstance(normalizer, dict):
+        return 1.0
+    if normalizer.get("type") == "Sequence":
+        return math.prod(_expansion(step) for step in normalizer.get("normalizers") or [])
+    content, pattern = normalizer.get("content"), normalizer.get("pattern")
+    if normalizer.get("type") != "Replace" or not isinstance(content, str):
+        return 1.0
+    text = pattern.get("String") if isinstance(pattern, dict) else None
+    if isinstance(text, str) and text:
+        return max(1.0, len(content) / len(text))
+    return len(content) + 1.0  # a regex may match nothing, between every two characters
 
 
 def _steps(component) -> list[dict]:
