@@ -79,6 +79,23 @@ def test_sentencepiece_gguf_equals_transformers(tmp_path, arch, with_merges):
     assert tok.apply_chat_template(conversation) == reference.apply_chat_template(conversation, tokenize=False)
 
 
+def test_named_chat_templates_of_a_gguf_are_chosen_as_transformers_chooses(tmp_path):
+    from transformers import AutoTokenizer
+
+    templates = [{"name": "default", "template": "default: {{ messages[0].content }}"},
+                 {"name": "tool_use", "template": "tool_use: {{ tools | length }}"}]
+    tokens, types, scores, _ = sentencepiece_vocabulary()
+    write(tmp_path / "m.gguf", "llama", tokens, types, tokenizer_model="llama", token_scores=scores,
+          chat_template=templates)
+    tok = Tokenizer.from_pretrained(tmp_path / "m.gguf")
+    save = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    save.chat_template = {t["name"]: t["template"] for t in templates}  # transformers reads only the default
+    conversation = [{"role": "user", "content": "hi"}]
+    for options in ({}, {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"chat_template": "default"}):
+        expected = save.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **options)
+        assert tok.apply_chat_template(conversation, **options) == expected
+
+
 def test_sentencepiece_without_a_prefix_space_is_refused_by_name(tmp_path):
     tokens, types, scores, _ = sentencepiece_vocabulary()
     write(tmp_path / "m.gguf", "llama", tokens, types, tokenizer_model="llama", token_scores=scores,

@@ -25,6 +25,7 @@ def convert(path, out, progress=None):
             if name not in source:
                 raise CheckpointError(f"{source.path}: missing tensor {name!r} (Hugging Face name)")
         tokenizer = Tokenizer.from_gguf(source)
+        empty = tokenizer.encode("")
         texts = source.get("tokenizer.ggml.tokens")
         bos, eos = source.get("tokenizer.ggml.bos_token_id", None), source.eos_ids()
         pad = source._int("tokenizer.ggml.padding_token_id", None, minimum=0)
@@ -36,8 +37,8 @@ def convert(path, out, progress=None):
             "bos_token": None if bos is None else texts[bos],
             "eos_token": texts[eos[0]] if eos else None,
             "pad_token": None if pad is None else texts[pad],
-            "add_bos_token": bool(source.get("tokenizer.ggml.add_bos_token", False)),
-            "add_eos_token": bool(source.get("tokenizer.ggml.add_eos_token", False)),
+            "add_bos_token": bos is not None and empty[:1] == [bos],  # as the tokenizer adds them
+            "add_eos_token": bool(eos) and empty[-1:] == eos[:1],  # (SentencePiece adds BOS unless told not to)
             "clean_up_tokenization_spaces": False,
             "chat_template": source.get("tokenizer.chat_template", None),
         }
