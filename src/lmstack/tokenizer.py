@@ -438,7 +438,7 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
 def _merges_from_scores(vocab: dict, scores: dict) -> list:
     """The merges a SentencePiece vocabulary implies: every split of a token into two tokens, best score first.
 
-    Ties go to the shorter left then right piece, then to the order transformers lists them in (tokens in
+    Ties go to the longer left then right piece, then to the order transformers lists them in (tokens in
     vocabulary order, each token's splits by their pieces' ids), so the merges are the ones it derives.
     """
     merges = []
