@@ -30,6 +30,8 @@ CHAT_TOKENS = 256
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            raise OSError("stdout is closed: nowhere to write the answer")
         return args.run(args) or 0
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `lmstack generate ... | head`
         sys.stderr.close()
         return 0
-    except (ValueError, OSError, RuntimeError, KeyError) as e:
+    except (ValueError, OSError, RuntimeError, KeyError, MemoryError) as e:
         print(f"lmstack: error: {e}", file=sys.stderr)
         return 1
 
@@ -198,15 +200,17 @@ def _answer(lm, tokenizer, ids, args) -> str:
     """Stream one continuation of `ids` to stdout, ending the line; the text."""
     start = time.perf_counter()
     text, steps, first = "", 0, None
-    for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args)):
-        steps += 1
-        first = first or time.perf_counter()
-        if piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            text += piece
-    if not text.endswith("\n"):
-        print(flush=True)
+    try:
+        for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args)):
+            steps += 1
+            first = first or time.perf_counter()
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                text += piece
+    finally:  # Ctrl-C included: the answer's line is ended
+        if not text.endswith("\n"):
+            print(flush=True)
     if args.verbose:
         end, tokens = time.perf_counter(), steps - 1  # the last step only flushes held-back text
         decode = f"{(tokens - 1) / (end - first):.1f}" if tokens > 1 and end > first else "-"
@@ -220,9 +224,18 @@ def _generate(args):
         return _load(args)[0].serve()
     prompt = args.prompt
     if prompt is None:
-        if sys.stdin.isatty():
+        if sys.stdin is None or sys.stdin.isatty():  # None: started with stdin closed (`<&-`)
             raise ValueError("no prompt: give PROMPT or pipe it on stdin")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"stdin: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    elif not prompt.isascii():
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 arrive as lone surrogates
+            raise ValueError(f"the prompt is not UTF-8 text (at character {e.start})") from None
     if not prompt:
         raise ValueError("the prompt is empty")
     lm, tokenizer = _load(args)
@@ -252,6 +265,8 @@ def _chat(args):
     lm, tokenizer = _load(args)
     if tokenizer.chat_template is None:
         raise ValueError(f"{tokenizer.source}: the model has no chat template; use `lmstack generate`")
+    if sys.stdin is None:
+        raise ValueError("stdin is closed: nothing to chat with")
     interactive = sys.stdin.isatty()
     if interactive:
         print("Chat with the model: /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)

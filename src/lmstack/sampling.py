@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_SCALE, MAX_SCALE = 1e-30, 1e30
+
+
 @dataclass(frozen=True)
 class Sampler:
     """How the next token is chosen; the defaults are greedy, and `temperature=0` or `top_k=1` is exact argmax.
@@ -35,14 +38,17 @@ class Sampler:
             if not is_number or not math.isfinite(value) or not ok(value):
                 raise ValueError(f"{name} must be {expected}, got {value!r}")
 
-        number("temperature", lambda t: t >= 0, "a number >= 0")
+        # logits divided or multiplied by these stay finite in float32 (|logits| up to 1e4): 1e-45 made them inf
+        number("temperature", lambda t: t == 0 or MIN_SCALE <= t <= MAX_SCALE,
+               f"a number >= 0: 0 (greedy), else in [{MIN_SCALE:g}, {MAX_SCALE:g}]")
         number("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
         number("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
-        number("repetition_penalty", lambda p: p > 0, "a positive number")
-        for name in ("top_k", "seed"):
+        number("repetition_penalty", lambda p: MIN_SCALE <= p <= MAX_SCALE,
+               f"a positive number in [{MIN_SCALE:g}, {MAX_SCALE:g}]")
+        for name, limit in (("top_k", 1 << 63), ("seed", 1 << 64)):  # what torch takes
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit):
+                raise ValueError(f"{name} must be an integer in [0, 2**{limit.bit_length() - 1}), got {value!r}")
         if self.top_k is None:
             raise ValueError("top_k must be a non-negative integer, got None")
 
