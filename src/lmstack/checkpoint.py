@@ -39,6 +39,17 @@ class TensorInfo:
     file: Path
 
 
+def check_finite(tensor: torch.Tensor, path, name: str, chunk: int = 1 << 20):
+    """Refuse inf and nan in a tensor as it is read, naming file and tensor. Checked in slices, so a large
+    tensor costs no second copy of itself; called on what was just written, while it is still in cache."""
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.reshape(-1)
+    for i in range(0, flat.numel(), chunk):
+        if not bool(torch.isfinite(flat[i:i + chunk]).all()):
+            raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (inf or nan) as {tensor.dtype}")
+
+
 class SafetensorsFile:
     """One .safetensors file: header checked on open, each tensor mapped only while it is read.
 
@@ -74,7 +85,8 @@ class SafetensorsFile:
         return tensor
 
     def read_into(self, name: str, dest: torch.Tensor):
-        """Copy tensor `name` into `dest` (converting its dtype) a slice of about 1 MiB at a time.
+        """Copy tensor `name` into `dest` (converting its dtype) a slice of about 1 MiB at a time, refusing
+        inf and nan (also from a conversion that overflows) as each slice lands.
 
         No full-size transient: a load never holds a second copy of the largest tensor, and the
         allocator is never handed a huge block to free (which would make it keep later ones).
@@ -86,12 +98,14 @@ class SafetensorsFile:
                                       f"the destination {list(dest.shape)}")
             if not info.shape:
                 dest.copy_(handle.get_tensor(name))
+                check_finite(dest, self.path, name)
                 return
             row_bytes = math.prod(info.shape[1:]) * DTYPES[info.dtype][1]
             rows = max(1, READ_SLICE_BYTES // max(1, row_bytes))
             tensor = handle.get_slice(name)
             for start in range(0, info.shape[0], rows):
                 dest[start:start + rows].copy_(tensor[start:start + rows])
+                check_finite(dest[start:start + rows], self.path, name)
 
     @contextmanager
     def _mapped(self, name: str):
@@ -314,6 +328,7 @@ class TensorDict:
 
     def read_into(self, name: str, dest: torch.Tensor):
         dest.copy_(self._weights[name])
+        check_finite(dest, self.path, name)
 
     def close(self):
         pass

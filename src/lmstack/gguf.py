@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from .checkpoint import CheckpointError, TensorInfo
+from .checkpoint import CheckpointError, TensorInfo, check_finite
 from .config import HFConfig, UnsupportedModel
 
 MAGIC = b"GGUF"
@@ -553,7 +553,9 @@ class GGUFFile(GGUFHeader):
         return weight
 
     def read_into(self, name: str, dest: torch.Tensor):
+        """Copy tensor `name` into `dest`, refusing inf and nan (also from a conversion that overflows)."""
         dest.copy_(self.read(name))
+        check_finite(dest, self.path, name)
 
     def _tensor(self, name: str):
         if name not in self._tensors:

@@ -164,12 +164,6 @@ def left_pad(ids) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.zeros(ids.shape[0], dtype=torch.long)
 
 
-def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
-    """isfinite in slices, so checking a large embedding allocates no second copy of it."""
-    flat = tensor.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
-
-
 def as_ids(ids, *, column: bool = False) -> torch.Tensor:
     """Token ids from a tensor, numpy array or nested lists, as a (B, L) int64 tensor.
 
@@ -274,7 +268,6 @@ class CausalLM:
             self._allocate()
             self._fill(source, progress)
         release_freed_memory()  # what the source held (a GGUF file's parsed metadata), before the head's copy
-        self._check_finite()
         if self.head.device.type != "meta":
             self._store_head()
 
@@ -363,14 +356,6 @@ class CausalLM:
                 if name in self._weights:
                     param = block.get_parameter(key)
                     self._weights[name] = param if rows is None else param[rows]
-
-    def _check_finite(self):
-        plan = self.plan
-        names = [plan.embed_name, plan.norm_name] + ([plan.head_name] if plan.head_name else [])
-        names += [n for n in self._weights if n.endswith("norm.weight")]
-        for name in dict.fromkeys(names):
-            if name in self._weights and not _all_finite(self._weights[name]):
-                raise CheckpointError(f"tensor {name!r} holds non-finite values (inf or nan)")
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Loaded weights by checkpoint name: views into the fused block parameters, and for re-stored

@@ -1,0 +1,64 @@
+"""Hostile checkpoints and configs, round 2: non-finite weights anywhere, files that link out of their
+directory, config values that pass a type check but break the arithmetic, headers parsed more than once,
+allocations the machine cannot hold. Blow-ups run in a child process (isolated.py)."""
+
+import math
+import struct
+
+import pytest
+import torch
+
+from lmstack import CausalLM, CheckpointError
+from lmstack.config import HFConfig, plan_for
+from test_hostile import CONFIG, checkpoint_dir, gguf_file, tensors
+
+# ---- class 3: non-finite weights, wherever they are ------------------------------------------------
+
+
+@pytest.mark.parametrize("name, dtype", [("model.layers.0.self_attn.q_proj.weight", torch.float32),
+                                         ("model.layers.0.mlp.down_proj.weight", torch.float32),
+                                         ("model.layers.0.mlp.up_proj.weight", torch.float16),
+                                         ("model.layers.0.self_attn.k_proj.weight", torch.bfloat16)])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_weight_anywhere_is_refused_naming_file_and_tensor(tmp_path, name, dtype, value):
+    weights = tensors()
+    weights[name] = weights[name].to(dtype)
+    weights[name][-1, -1] = value  # the last element: the check must cover every slice
+    root = checkpoint_dir(tmp_path, weights=weights)
+    with pytest.raises(CheckpointError) as caught:
+        CausalLM.load(root, device="cpu")
+    assert str(root / "model.safetensors") in str(caught.value) and repr(name) in str(caught.value)
+    assert "non-finite" in str(caught.value)
+
+
+def test_non_finite_weight_in_a_weights_dict_is_refused_by_name():
+    weights = tensors()
+    name = "model.layers.0.self_attn.o_proj.weight"
+    weights[name][1, 2] = math.nan
+    plan = plan_for(HFConfig(dict(CONFIG)))
+    with pytest.raises(CheckpointError, match=f"weights: tensor '{name}' holds non-finite"):
+        CausalLM(plan, weights, device="cpu")
+
+
+def test_non_finite_gguf_weight_is_refused_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "m.gguf"
+    gguf_file(path)
+    data = bytearray(path.read_bytes())
+    from lmstack.gguf import GGUFHeader
+    with GGUFHeader(path) as f:
+        t = f.tensors["blk.0.ffn_down.weight"]
+    struct.pack_into("<f", data, t.offset + 12, math.nan)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"m\.gguf: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' holds "
+                                              r"non-finite"):
+        CausalLM.load(path, device="cpu")
+
+
+def test_finite_weights_load_exactly(tmp_path):
+    """The check reads what it copies: the loaded weights are the file's, to the bit."""
+    weights = tensors()
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"].half()
+    root = checkpoint_dir(tmp_path, weights=weights)
+    loaded = CausalLM.load(root, device="cpu").parameters()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor.float()), name
