@@ -2,6 +2,7 @@
 directory, config values that pass a type check but break the arithmetic, headers parsed more than once,
 allocations the machine cannot hold. Blow-ups run in a child process (isolated.py)."""
 
+import json
 import math
 import struct
 
@@ -62,3 +63,20 @@ def test_finite_weights_load_exactly(tmp_path):
     loaded = CausalLM.load(root, device="cpu").parameters()
     for name, tensor in weights.items():
         assert torch.equal(loaded[name], tensor.float()), name
+
+
+# ---- class 6: one symlink rule for every file of a checkpoint ---------------------------------------
+
+
+def test_model_safetensors_linking_out_of_the_directory_is_refused(tmp_path):
+    outside = checkpoint_dir(tmp_path / "outside")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    (root / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'model.safetensors' lies outside the checkpoint directory"):
+        CausalLM.load(root, device="cpu")
+    inside = checkpoint_dir(tmp_path / "inside")  # a link that stays inside is followed, as for shards
+    (inside / "model.safetensors").rename(inside / "blob")
+    (inside / "model.safetensors").symlink_to("blob")
+    CausalLM.load(inside, device="cpu")

@@ -233,8 +233,8 @@ class Checkpoint:
             raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
-        if single.is_file():
-            return cls([single], None, path)
+        if single.is_file():  # the shards' rule: with symlinks followed, it stays inside the directory
+            return cls([_shard_path(path, single, single.name, kind="file")], None, path)
         if not index.is_file():
             raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
         where = _read_index(index)
@@ -274,19 +274,20 @@ class Checkpoint:
         self.close()
 
 
-def _shard_path(root: Path, index: Path, name: str) -> Path:
-    """A shard the index names: a relative path without '..' that, symlinks followed, stays in the directory."""
+def _shard_path(root: Path, index: Path, name: str, kind: str = "shard") -> Path:
+    """A file of the checkpoint (a shard the index names): a relative path without '..' that, symlinks followed,
+    stays in the directory."""
     if not name or "\0" in name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory "
+        raise CheckpointError(f"{index}: {kind} {name!r} lies outside the checkpoint directory "
                               f"(an empty, absolute or '..' path)")
     try:
         shard = (root / name).resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
-        raise CheckpointError(f"{index}: shard {name!r} cannot be resolved ({e})") from None
+        raise CheckpointError(f"{index}: {kind} {name!r} cannot be resolved ({e})") from None
     if root.resolve() not in shard.parents:
-        raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint directory")
+        raise CheckpointError(f"{index}: {kind} {name!r} lies outside the checkpoint directory (symlinks followed)")
     if not shard.is_file():
-        raise FileNotFoundError(f"{index}: names shard {name!r}, which does not exist")
+        raise FileNotFoundError(f"{index}: names {kind} {name!r}, which does not exist")
     return root / name
 
 
