@@ -32,6 +32,7 @@ inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(
 
 // lanes 0..n-1 of 16 (none for n <= 0)
 inline __mmask16 first(int64_t n) { return n <= 0 ? 0 : (__mmask16)((1u << std::min<int64_t>(n, 16)) - 1); }
+inline __mmask8 first8(int64_t n) { return n <= 0 ? 0 : (__mmask8)((1u << std::min<int64_t>(n, 8)) - 1); }
 
 // the four sums of a[0..3]; a tile's cost is mostly its loads, so its reduction must stay cheap
 inline __m128 sum4(const __m512* a) {
@@ -410,6 +411,21 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
         0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; i++) {
             const T* row = xp + i * D;
+            if constexpr (std::is_same_v<T, float>) {  // the sum and x * scale in float64: rounded once, to float32
+              __m512d squares = _mm512_setzero_pd();
+              for (int64_t d = 0; d < D; d += 8) {
+                const __m512d v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(first8(D - d), row + d));
+                squares = _mm512_fmadd_pd(v, v, squares);
+              }
+              const __m512d scale = _mm512_set1_pd(1.0 / std::sqrt(_mm512_reduce_add_pd(squares) / D + eps));
+              for (int64_t d = 0; d < D; d += 8) {
+                const __mmask8 m = first8(D - d);
+                const __m512d v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, row + d));
+                const __m256 normed = _mm512_cvtpd_ps(_mm512_mul_pd(v, scale));
+                _mm256_mask_storeu_ps(yp + i * D + d, m, _mm256_mul_ps(_mm256_maskz_loadu_ps(m, wp + d), normed));
+              }
+              continue;
+            }
             __m512 squares = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) {
               const __m512 v = load(row + d, first(D - d));
@@ -534,6 +550,20 @@ inline __m512 exp_ps(__m512 x) {
   for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+// e^x for float64 lanes, to about 1e-15: what float32 results round from once
+inline __m512d exp_pd(__m512d x) {
+  x = _mm512_max_pd(_mm512_min_pd(x, _mm512_set1_pd(700.0)), _mm512_set1_pd(-700.0));
+  const __m512d n =
+      _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)), _MM_FROUND_TO_NEAREST_INT);
+  __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);  // ln 2 in two parts (fdlibm)
+  r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  __m512d p = _mm512_set1_pd(1.0 / 39916800);  // 1 / 11!
+  for (const double c : {1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24,
+                         1.0 / 6, 0.5, 1.0, 1.0})
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c));
+  return _mm512_scalef_pd(p, n);
 }
 
 // q . k for a float32 q and a k of length D
@@ -712,6 +742,16 @@ at::Tensor silu_mul(const at::Tensor& x_) {
         0, rows, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; i++) {
             const T *gate = xp + i * 2 * F, *up = gate + F;
+            if constexpr (std::is_same_v<T, float>) {  // silu in float64, rounded once to float32
+              for (int64_t f = 0; f < F; f += 8) {
+                const __mmask8 m = first8(F - f);
+                const __m512d g = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, gate + f));
+                const __m512d e = exp_pd(_mm512_sub_pd(_mm512_setzero_pd(), g));
+                const __m256 silu = _mm512_cvtpd_ps(_mm512_div_pd(g, _mm512_add_pd(_mm512_set1_pd(1.0), e)));
+                _mm256_mask_storeu_ps(yp + i * F + f, m, _mm256_mul_ps(silu, _mm256_maskz_loadu_ps(m, up + f)));
+              }
+              continue;
+            }
             for (int64_t f = 0; f < F; f += 16) {
               const __mmask16 m = first(F - f);
               const __m512 g = load(gate + f, m);
