@@ -9,9 +9,11 @@ import struct
 import pytest
 import torch
 
-from lmstack import CausalLM, CheckpointError
+from lmstack import CausalLM, CheckpointError, ConfigError, TokenizerError, models
 from lmstack.config import HFConfig, plan_for
-from test_hostile import CONFIG, checkpoint_dir, gguf_file, tensors
+from test_hostile import CONFIG, byte_tokenizer_json, checkpoint_dir, gguf_file, tensors
+
+V = CONFIG["vocab_size"]
 
 # ---- class 3: non-finite weights, wherever they are ------------------------------------------------
 
@@ -80,3 +82,60 @@ def test_model_safetensors_linking_out_of_the_directory_is_refused(tmp_path):
     (inside / "model.safetensors").rename(inside / "blob")
     (inside / "model.safetensors").symlink_to("blob")
     CausalLM.load(inside, device="cpu")
+
+
+# ---- class 7: config values in range, quoted short ---------------------------------------------------
+
+INF = float("inf")
+VALUES = [
+    ("rope_theta", INF, "'rope_theta'"), ("rope_theta", 1e-320, "'rope_theta'"), ("rope_theta", 0.5, "'rope_theta'"),
+    ("rms_norm_eps", 1e308, "'rms_norm_eps'"), ("rms_norm_eps", 1e-320, "'rms_norm_eps'"),
+    ("rms_norm_eps", INF, "'rms_norm_eps'"),
+    ("eos_token_id", 2**63, "eos_token_id = 9223372036854775808"), ("eos_token_id", V, f"eos_token_id = {V}"),
+    ("eos_token_id", -1, "eos_token_id = -1"), ("eos_token_id", "2", "eos_token_id = '2'"),
+    ("eos_token_id", [1, "x"], "eos_token_id = [1, 'x']"), ("eos_token_id", True, "eos_token_id = True"),
+    ("eos_token_id", 2.0, "eos_token_id = 2.0"),
+]
+
+
+@pytest.mark.parametrize("key, value, words", VALUES, ids=[f"{k}={v!r}" for k, v, _ in VALUES])
+def test_config_values_that_break_the_arithmetic_are_refused(tmp_path, key, value, words):
+    root = checkpoint_dir(tmp_path, config={**CONFIG, key: value})
+    with pytest.raises(ConfigError) as caught:
+        CausalLM.load(root, device="cpu")
+    assert str(root / "config.json") in str(caught.value) and words in str(caught.value)
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", 1.0), ("rope_theta", 1e6), ("rms_norm_eps", 1e-5),
+                                        ("eos_token_id", [0, V - 1])])
+def test_config_values_at_the_edges_of_the_ranges_load(tmp_path, key, value):
+    CausalLM.load(checkpoint_dir(tmp_path, config={**CONFIG, key: value}), device="cpu")
+
+
+def test_eos_ids_of_generation_config_are_checked_too(tmp_path):
+    root = checkpoint_dir(tmp_path)
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1 << 63]}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        CausalLM.load(root, device="cpu")
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, V - 1]}))
+    assert CausalLM.load(root, device="cpu").eos_ids == (2, V - 1)
+
+
+@pytest.mark.parametrize("key", ["hidden_act", "model_type", "rope_theta"])
+def test_a_huge_value_is_quoted_short(tmp_path, key):
+    root = checkpoint_dir(tmp_path, config={**CONFIG, key: "x" * 10_000_000})
+    with pytest.raises(ValueError) as caught:
+        CausalLM.load(root, device="cpu")
+    assert len(str(caught.value)) < 1000 and "10000002 characters" in str(caught.value)
+
+
+def test_a_tokenizer_with_ids_past_the_model_vocabulary_is_refused(tmp_path):
+    root = checkpoint_dir(tmp_path)  # 32 ids; the tokenizer has 257
+    (root / "tokenizer.json").write_text(byte_tokenizer_json())
+    with pytest.raises(TokenizerError, match=f"tokenizer.json: token id 256 is past the model's vocab_size {V}"):
+        models.load(str(root), device="cpu")
+    spec = json.loads(byte_tokenizer_json())
+    spec["added_tokens"][0]["id"] = 4_000_000
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError):
+        models.load(str(root), device="cpu")

@@ -19,6 +19,14 @@ MAX_WIDTH = 1 << 17
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
 MAX_JSON_BYTES = 128 << 20  # the largest released tokenizer.json is near 35 MB
+EPS_RANGE = (1.1754943508222875e-38, 1.0)  # float32's smallest normal number, and 1
+MIN_ROPE_THETA = 1.0  # below it the rotary frequencies exceed one turn per token (and 1e-320 makes them inf)
+
+
+def shown(value, limit: int = 200) -> str:
+    """repr(value) for an error message, cut short: a hostile file's 10 MB value is not a 10 MB line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class UnsupportedModel(ValueError):
@@ -79,7 +87,7 @@ class HFConfig(Mapping):
         if model_type is None and "d_model" in data and "n_layer" in data:
             model_type = _mamba_ssm_type(data)
         if not isinstance(model_type, str) or not model_type:
-            raise ConfigError(f"{path or 'config'}: missing or invalid 'model_type' (got {model_type!r})")
+            raise ConfigError(f"{path or 'config'}: missing or invalid 'model_type' (got {shown(model_type)})")
         self._data = data
         self._model_type = model_type
         self.path = path
@@ -248,7 +256,8 @@ class _Fields:
 
     def _bad(self, key, value, expected):
         return ConfigError(
-            f"{self.where}model_type {self.model_type!r}: field {self.prefix + key!r} = {value!r}, expected {expected}")
+            f"{self.where}model_type {shown(self.model_type)}: field {shown(self.prefix + key)} = {shown(value)}, "
+            f"expected {expected}")
 
     def int(self, key, default=None, *, minimum=1, maximum=MAX_WIDTH):
         value = self.cfg.get(key, default)
@@ -263,12 +272,13 @@ class _Fields:
     def optional_int(self, key, *, minimum=1, maximum=MAX_POSITIONS):
         return None if self.cfg.get(key) is None else self.int(key, minimum=minimum, maximum=maximum)
 
-    def float(self, key, default=None, *, positive=True):
+    def eps(self, key, default):
+        """A norm's epsilon: a normal float32 no larger than 1 (1e308 would flatten every norm's output to 0,
+        a subnormal one be lost in the float32 sum it is added to)."""
         value = self.cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self._bad(key, value, "a finite number")
-        if positive and value <= 0:
-            raise self._bad(key, value, "a positive number")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not EPS_RANGE[0] <= value <= EPS_RANGE[1]):
+            raise self._bad(key, value, f"a number in [{EPS_RANGE[0]:.3g}, {EPS_RANGE[1]}]")
         return float(value)
 
     def bool(self, key, default):
@@ -287,7 +297,8 @@ class _Fields:
 
     def refuse(self, key, value, why):
         return UnsupportedModel(
-            f"{self.where}model_type {self.model_type!r}: {self.prefix + key} = {value!r} is not supported ({why})")
+            f"{self.where}model_type {shown(self.model_type)}: {self.prefix + key} = {shown(value)} is not supported "
+            f"({why})")
 
 
 def plan_for(config) -> ModelPlan:
@@ -295,7 +306,7 @@ def plan_for(config) -> ModelPlan:
     cfg = config if isinstance(config, HFConfig) else HFConfig(config)
     if cfg.model_type not in FAMILIES:
         raise UnsupportedModel(
-            f"{cfg.path or 'config'}: model_type {cfg.model_type!r} is not supported "
+            f"{cfg.path or 'config'}: model_type {shown(cfg.model_type)} is not supported "
             f"(supported: {', '.join(sorted(FAMILIES))})")
     family = FAMILIES[cfg.model_type]
     if family.kind == "transformer":
@@ -348,7 +359,7 @@ def _transformer_plan(f: _Fields, family: Family) -> ModelPlan:
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=f.int("intermediate_size", maximum=MAX_WIDTH * 8),
         act=act, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-        qk_norm=family.qk_norm, rope=rope, norm_eps=f.float("rms_norm_eps", 1e-6),
+        qk_norm=family.qk_norm, rope=rope, norm_eps=f.eps("rms_norm_eps", 1e-6),
     )
     return ModelPlan(
         model_type=f.model_type, family=f.model_type, kind=family.kind,
@@ -377,8 +388,9 @@ def _rope(f: _Fields) -> dict:
     if kind not in ROPE_TYPES:
         raise f.refuse(f"{source}.rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
     theta = spec.get("rope_theta", f.cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise f._bad("rope_theta", theta, "a positive number")
+    if (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta)
+            or theta < MIN_ROPE_THETA):
+        raise f._bad("rope_theta", theta, f"a finite number >= {MIN_ROPE_THETA}")
     rope = {"type": kind, "theta": float(theta)}
     if "partial_rotary_factor" in spec:
         rope["partial_rotary_factor"] = spec["partial_rotary_factor"]
@@ -456,7 +468,7 @@ def _mamba_plan(f: _Fields, family: Family) -> ModelPlan:
         bias=f.bool("use_bias", False),
         conv_bias=f.bool("use_conv_bias", True),
         residual_in_fp32=f.bool("residual_in_fp32", True),
-        norm_eps=f.float("layer_norm_epsilon", 1e-5),
+        norm_eps=f.eps("layer_norm_epsilon", 1e-5),
     )
     if mamba2:
         options.update(_mamba2_options(f, options["d_inner"]))

