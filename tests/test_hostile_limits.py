@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+import isolated
 from lmstack import CausalLM, CheckpointError, ConfigError, TokenizerError, models
 from lmstack.config import HFConfig, plan_for
 from test_hostile import CONFIG, byte_tokenizer_json, checkpoint_dir, gguf_file, tensors
@@ -139,3 +140,62 @@ def test_a_tokenizer_with_ids_past_the_model_vocabulary_is_refused(tmp_path):
     (root / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(TokenizerError):
         models.load(str(root), device="cpu")
+
+
+# ---- class 5: allocations the machine cannot hold refused by size, before allocating ---------------
+
+
+def load_path(path):
+    CausalLM.load(path, device="cpu")
+    return "loaded"
+
+
+def sparse_checkpoint(root, hidden=4096, vocab=1 << 21):
+    """A valid checkpoint of a 32 GB embedding, written as a sparse file: nothing allocated to build it."""
+    config = dict(CONFIG, hidden_size=hidden, vocab_size=vocab, num_attention_heads=32, intermediate_size=16,
+                  tie_word_embeddings=True)
+    kv = hidden // 32
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "model.layers.0.input_layernorm.weight": (hidden,),
+              "model.layers.0.post_attention_layernorm.weight": (hidden,),
+              "model.layers.0.self_attn.q_proj.weight": (hidden, hidden),
+              "model.layers.0.self_attn.k_proj.weight": (kv, hidden),
+              "model.layers.0.self_attn.v_proj.weight": (kv, hidden),
+              "model.layers.0.self_attn.o_proj.weight": (hidden, hidden),
+              "model.layers.0.mlp.gate_proj.weight": (16, hidden), "model.layers.0.mlp.up_proj.weight": (16, hidden),
+              "model.layers.0.mlp.down_proj.weight": (hidden, 16)}
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config))
+    with open(root / "model.safetensors", "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + at)
+
+
+def state_of(steps):
+    """A tiny model without max_position_embeddings asked for a decode state (or a generation) of `steps`."""
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        config = {k: v for k, v in CONFIG.items() if k != "max_position_embeddings"}
+        lm = CausalLM.load(checkpoint_dir(Path(tmp), config=config), device="cpu")
+    if steps[0] == "state":
+        lm.allocate_state(1, steps[1])
+    else:
+        lm.generate([[1, 2]], max_new_tokens=steps[1])
+
+
+def test_allocations_the_machine_cannot_hold_are_refused_by_size(tmp_path):
+    sparse_checkpoint(tmp_path / "sparse")
+    outcomes = isolated.run((__name__, "load_path", str(tmp_path / "sparse")),
+                            (__name__, "state_of", ["state", 10**9]), (__name__, "state_of", ["generate", 10**9]))
+    for result in outcomes:
+        assert result["error"] == "MemoryError", result
+        assert "GiB" in result["message"] and "available" in result["message"], result
+    assert "llama weights as float32 needs 32." in outcomes[0]["message"]
+    assert "decode state of 1 x 1000000000" in outcomes[1]["message"]

@@ -3,6 +3,7 @@
 import ctypes
 import ctypes.util
 import dataclasses
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import memory
 from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
@@ -290,6 +292,7 @@ class CausalLM:
             self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
         self.blocks.requires_grad_(False)
+        self._check_memory()
         first, last = self.layer_devices[0], self.layer_devices[-1]
         # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
         self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
@@ -303,6 +306,19 @@ class CausalLM:
         self.unused_names: list[str] = []
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
+
+    def _check_memory(self):
+        """Refuse, before allocating, weights larger than their devices can hold (counted as stored)."""
+        stored = {"int8": 1, "int4": 0.5}.get(self.weight_format)
+        need = Counter()
+        for block, device in zip(self.blocks, self.layer_devices):
+            need[device] += sum(p.numel() * (stored or p.element_size()) for p in block.parameters())
+        embed = self.plan.vocab_size * self.plan.d_model * self.dtype.itemsize
+        need[self.layer_devices[0]] += embed
+        if not self.plan.tie_embeddings or self.layer_devices[0] != self.layer_devices[-1]:
+            need[self.layer_devices[-1]] += embed
+        for device, nbytes in need.items():
+            memory.ensure(int(nbytes), device, f"{self.plan.model_type} weights as {self.weight_format}")
 
     def _targets(self):
         """(checkpoint name, layer or None, device, destination) for every tensor the plan reads; a layer's
@@ -395,8 +411,20 @@ class CausalLM:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_positions is not None and max_tokens > self.max_positions:
             raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
+        self._check_state_memory(batch_size, max_tokens)
         layers = [b.new_cache(batch_size, max_tokens, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
         return CausalLMState(batch_size, max_tokens, layers, owner=self)
+
+    def _check_state_memory(self, batch_size: int, max_tokens: int | None, extra: int = 0):
+        """Refuse, before allocating, a decode state (and `extra` bytes on the model's device) that its devices
+        cannot hold: a transformer's keys and values (a recurrent state does not grow with the tokens)."""
+        need = Counter({self.device: extra})
+        if self.plan.kind == "transformer":
+            o = self.plan.block_options
+            for device in self.layer_devices:
+                need[device] += 2 * batch_size * o["n_kv_heads"] * o["head_dim"] * max_tokens * self.dtype.itemsize
+        for device, nbytes in need.items():
+            memory.ensure(nbytes, device, f"a decode state of {batch_size} x {max_tokens} tokens")
 
     def allocate_pages(self, n_blocks: int, block_size: int) -> list:
         """A paged KV pool of a transformer: per layer, n_blocks blocks of block_size slots (blocks/transformer.py)."""
@@ -526,6 +554,7 @@ class CausalLM:
         if self.max_positions is not None and L + max_new_tokens > self.max_positions:
             raise ValueError(f"prompt length {L} + max_new_tokens {max_new_tokens} exceeds max_positions "
                              f"{self.max_positions}")
+        self._check_state_memory(ids.shape[0], L + max_new_tokens, extra=ids.shape[0] * (L + max_new_tokens) * 8)
         return self._check_ids(ids, None), offsets.to(self.device)
 
     def _stream(self, ids, offsets, max_new_tokens, sampler, eos_ids, until):
