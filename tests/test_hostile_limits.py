@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import isolated
+import lmstack.checkpoint
 from lmstack import CausalLM, CheckpointError, ConfigError, TokenizerError, models
 from lmstack.config import HFConfig, plan_for
 from test_hostile import CONFIG, byte_tokenizer_json, checkpoint_dir, gguf_file, tensors
@@ -199,3 +200,47 @@ def test_allocations_the_machine_cannot_hold_are_refused_by_size(tmp_path):
         assert "GiB" in result["message"] and "available" in result["message"], result
     assert "llama weights as float32 needs 32." in outcomes[0]["message"]
     assert "decode state of 1 x 1000000000" in outcomes[1]["message"]
+
+
+# ---- class 5: each safetensors header parsed once ---------------------------------------------------
+
+
+def test_each_safetensors_header_is_parsed_once_per_load(tmp_path):
+    """Reads use the header parsed on open: the `safetensors` library re-parsed it on every read (a 95 MB
+    header cost ~4 s a tensor), which a header overwritten after opening would make fail."""
+    root = checkpoint_dir(tmp_path)
+    path = root / "model.safetensors"
+    with lmstack.checkpoint.Checkpoint.open(root) as checkpoint:
+        with open(path, "r+b") as fh:
+            fh.seek(8)
+            fh.write(b"X" * 16)  # no longer JSON
+        for name in checkpoint.names():
+            dest = torch.empty(checkpoint.info(name).shape)
+            checkpoint.read_into(name, dest)
+            assert torch.equal(dest, tensors()[name]), name
+
+
+def big_header(root):
+    """A valid checkpoint whose header also lists 400,000 zero-size tensors (a ~30 MB header)."""
+    weights = tensors()
+    weights.update({f"pad.{i}": torch.zeros(0) for i in range(400_000)})
+    checkpoint_dir(root, weights=weights)
+
+
+def test_a_huge_header_of_empty_tensors_loads_within_the_limit(tmp_path):
+    big_header(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model.safetensors").stat().st_size > 20 << 20
+    result = isolated.run((__name__, "load_path", str(tmp_path / "ckpt")), seconds=90)[0]
+    assert result["error"] is None, result
+
+
+def test_a_safetensors_file_cut_short_after_it_was_opened_is_refused_by_name(tmp_path):
+    root = checkpoint_dir(tmp_path)
+    path = root / "model.safetensors"
+    with lmstack.checkpoint.Checkpoint.open(root) as checkpoint:
+        name = max(checkpoint.names(), key=lambda n: math.prod(checkpoint.info(n).shape))
+        with open(path, "r+b") as fh:
+            fh.truncate(8)  # the header, parsed on open, gone too
+        with pytest.raises(CheckpointError, match=f"model.safetensors: tensor {name!r} cannot be read: the file "
+                                                  f"was cut short"):
+            checkpoint.read_into(name, torch.empty(checkpoint.info(name).shape))

@@ -1,18 +1,17 @@
-"""Safetensors checkpoints: one file, an explicit file, or a sharded index; memory-mapped, read lazily.
+"""Safetensors checkpoints: one file, an explicit file, or a sharded index; read lazily, a slice at a time.
 
-Headers are parsed and checked here before the `safetensors` library maps a byte, so a hostile file
-is refused with its path and tensor name instead of crashing or allocating what it claims.
+Headers are parsed and checked here, once, before a tensor's byte is read, so a hostile file is refused
+with its path and tensor name instead of crashing or allocating what it claims.
 """
 
 import math
+import os
 import struct
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .config import UnsupportedModel, parse_json, read_json
 
@@ -39,6 +38,16 @@ class TensorInfo:
     file: Path
 
 
+def pread_into(fd: int, buffer, offset: int, path, what: str):
+    """Fill `buffer` (a writable buffer) from the file at `offset`; a file cut short since it was opened is named."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(f"{path}: {what} cannot be read: the file was cut short since it was opened")
+        done += n
+
+
 def check_finite(tensor: torch.Tensor, path, name: str, chunk: int = 1 << 20):
     """Refuse inf and nan in a tensor as it is read, naming file and tensor. Checked in slices, so a large
     tensor costs no second copy of itself; called on what was just written, while it is still in cache."""
@@ -51,17 +60,23 @@ def check_finite(tensor: torch.Tensor, path, name: str, chunk: int = 1 << 20):
 
 
 class SafetensorsFile:
-    """One .safetensors file: header checked on open, each tensor mapped only while it is read.
+    """One .safetensors file: header parsed and checked once on open, tensors read with pread.
 
-    Mapping per read keeps the file's pages from piling up in resident memory during a load, so
-    the peak stays near the loaded model's own size.
+    Reading, not mapping: the header is never parsed again (the `safetensors` library re-parsed it on every
+    read), a file cut short while open is refused by name, and its pages never count toward the process's
+    resident memory.
     """
 
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such safetensors file")
-        self._tensors = _read_header(self.path)
+        self._fh = open(self.path, "rb", buffering=0)
+        try:
+            self._tensors, self._offsets = _read_header(self.path, self._fh)
+        except BaseException:
+            self._fh.close()
+            raise
         self.closed = False
 
     def names(self) -> list[str]:
@@ -77,9 +92,11 @@ class SafetensorsFile:
         """The tensor as torch; bf16="widen" gives bfloat16 as float32, "bits" keeps it bfloat16."""
         if bf16 not in ("widen", "bits"):
             raise ValueError(f"bf16 must be 'widen' or 'bits', got {bf16!r}")
-        with self._mapped(name) as handle:
-            info = self.info(name)
-            tensor = handle.get_tensor(name)
+        info = self.info(name)
+        tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype][0])
+        if tensor.numel():
+            pread_into(self._fd(), tensor.view(-1).view(torch.uint8).numpy(), self._offsets[name], self.path,
+                       f"tensor {name!r}")
         if info.dtype == "BF16" and bf16 == "widen":
             tensor = tensor.float()
         return tensor
@@ -91,35 +108,34 @@ class SafetensorsFile:
         No full-size transient: a load never holds a second copy of the largest tensor, and the
         allocator is never handed a huge block to free (which would make it keep later ones).
         """
-        with self._mapped(name) as handle:
-            info = self.info(name)
-            if tuple(dest.shape) != info.shape:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
-                                      f"the destination {list(dest.shape)}")
-            if not info.shape:
-                dest.copy_(handle.get_tensor(name))
-                check_finite(dest, self.path, name)
-                return
-            row_bytes = math.prod(info.shape[1:]) * DTYPES[info.dtype][1]
-            rows = max(1, READ_SLICE_BYTES // max(1, row_bytes))
-            tensor = handle.get_slice(name)
-            for start in range(0, info.shape[0], rows):
-                dest[start:start + rows].copy_(tensor[start:start + rows])
-                check_finite(dest[start:start + rows], self.path, name)
+        info = self.info(name)
+        if tuple(dest.shape) != info.shape:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}, "
+                                  f"the destination {list(dest.shape)}")
+        dtype, size = DTYPES[info.dtype]
+        shape = info.shape or (1,)
+        target = dest.reshape(shape)  # a view: a scalar as one row
+        row_bytes = math.prod(shape[1:]) * size
+        if not shape[0] or not row_bytes:
+            return
+        rows = max(1, READ_SLICE_BYTES // row_bytes)
+        buffer = torch.empty(min(rows, shape[0]) * row_bytes, dtype=torch.uint8)
+        for start in range(0, shape[0], rows):
+            n = min(rows, shape[0] - start)
+            chunk = buffer[:n * row_bytes]
+            pread_into(self._fd(), chunk.numpy(), self._offsets[name] + start * row_bytes, self.path,
+                       f"tensor {name!r}")
+            target[start:start + n].copy_(chunk.view(dtype).view(n, *shape[1:]))
+            check_finite(target[start:start + n], self.path, name)
 
-    @contextmanager
-    def _mapped(self, name: str):
-        """The file mapped for one read of `name`; a file changed since its header was checked is named."""
+    def _fd(self) -> int:
         if self.closed:
             raise ValueError(f"{self.path}: read from a closed file")
-        try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                yield handle
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from None
+        return self._fh.fileno()
 
     def close(self):
         self.closed = True
+        self._fh.close()
 
     def __enter__(self):
         return self
@@ -128,22 +144,23 @@ class SafetensorsFile:
         self.close()
 
 
-def _read_header(path: Path) -> dict:
-    """Parse and validate a safetensors header: {name: (dtype, shape)}.
+def _read_header(path: Path, fh) -> tuple[dict, dict]:
+    """Parse and validate a safetensors header: {name: (dtype, shape)} and {name: where its data starts}.
 
     As the format and the `safetensors` library require, the tensors must tile the data exactly:
     no overlap, no gap, no trailing bytes. Each check runs before anything the header claims is allocated.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) "
-                                  f"or the limit ({MAX_HEADER_BYTES})")
-        raw = fh.read(header_len)
+    size = os.fstat(fh.fileno()).st_size
+    prefix = fh.read(8)
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) "
+                              f"or the limit ({MAX_HEADER_BYTES})")
+    raw = bytearray(header_len)
+    pread_into(fh.fileno(), raw, 8, path, "the header")
+    raw = bytes(raw)
     if not raw.startswith(b"{"):
         raise CheckpointError(f"{path}: header does not start with '{{'")
     header = parse_json(raw, f"{path}: header", CheckpointError)
@@ -151,7 +168,7 @@ def _read_header(path: Path) -> dict:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
     data_size = size - 8 - header_len
-    tensors, spans = {}, []
+    tensors, starts, spans = {}, {}, []
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict):
@@ -173,6 +190,7 @@ def _read_header(path: Path) -> dict:
             raise CheckpointError(
                 f"{where}: dtype {dtype} and shape {shape} need {nbytes} bytes, offsets give {offsets[1] - offsets[0]}")
         tensors[name] = (dtype, tuple(shape))
+        starts[name] = 8 + header_len + offsets[0]
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):
@@ -182,7 +200,7 @@ def _read_header(path: Path) -> dict:
         end = stop
     if end != data_size:
         raise CheckpointError(f"{path}: {data_size - end} bytes after the last tensor belong to none")
-    return tensors
+    return tensors, starts
 
 
 class Checkpoint:
@@ -191,8 +209,8 @@ class Checkpoint:
     `files` are the .safetensors paths; `weight_map` maps each tensor name to the file that holds it, by
     its path relative to `root` as an index spells it, or is None when `files` is one file (its header
     lists its tensors). Every header is read and checked here, so a map that places a tensor in a file
-    that does not hold it is refused before a byte is mapped; a tensor's bytes are mapped only while
-    they are read. `open(path)` finds the files of the three layouts.
+    that does not hold it is refused before a tensor's byte is read. `open(path)` finds the files of the
+    three layouts.
     """
 
     def __init__(self, files, weight_map, root):
@@ -211,16 +229,20 @@ class Checkpoint:
             if not path.is_relative_to(self.root):
                 raise CheckpointError(f"{path}: not inside the checkpoint directory {self.root}")
             by_name[path.relative_to(self.root)] = path
-        for tensor, name in self._where.items():
-            key = Path(name)
-            if key not in by_name:
-                raise CheckpointError(f"{self.root}: weight_map places tensor {tensor!r} in {name!r}, "
-                                      f"which is not one of the checkpoint's files")
-            if name not in self._files:
-                self._files[name] = SafetensorsFile(by_name[key])
-            if tensor not in self._files[name]._tensors:
-                raise CheckpointError(f"{by_name[key]}: lacks tensor {tensor!r}, which the index places in "
-                                      f"shard {name!r}")
+        try:  # the shards opened so far are closed if a later one is refused
+            for tensor, name in self._where.items():
+                key = Path(name)
+                if key not in by_name:
+                    raise CheckpointError(f"{self.root}: weight_map places tensor {tensor!r} in {name!r}, "
+                                          f"which is not one of the checkpoint's files")
+                if name not in self._files:
+                    self._files[name] = SafetensorsFile(by_name[key])
+                if tensor not in self._files[name]._tensors:
+                    raise CheckpointError(f"{by_name[key]}: lacks tensor {tensor!r}, which the index places in "
+                                          f"shard {name!r}")
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open(cls, path) -> "Checkpoint":

@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from .checkpoint import CheckpointError, TensorInfo, check_finite
+from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import HFConfig, UnsupportedModel
 
 MAGIC = b"GGUF"
@@ -411,9 +411,7 @@ class GGUFHeader:
         bytes than the tensor's data holds would otherwise read part of it as something else.
         """
         raw = np.empty(tensor.span, dtype=np.uint8)
-        if tensor.span and os.preadv(self._fd(), [raw], tensor.offset) != tensor.span:
-            raise CheckpointError(f"{self.path}: tensor {tensor.name!r} cannot be read: the file was cut short "
-                                  f"since it was opened")
+        pread_into(self._fd(), raw, tensor.offset, self.path, f"tensor {tensor.name!r}")  # short reads resumed
         if raw[tensor.nbytes:].any():
             raise CheckpointError(f"{self.path}: tensor {tensor.name!r} ({tensor.type.name}, dims "
                                   f"{list(tensor.dims)}) takes {tensor.nbytes} bytes, but the padding after them "
