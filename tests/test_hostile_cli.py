@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from lmstack import CausalLM, Sampler
 from test_hostile import CONFIG, byte_tokenizer_json, checkpoint_dir, tensors
@@ -89,3 +91,26 @@ def test_ctrl_c_while_streaming_ends_the_line(model_dir):
         process.kill()
     assert process.returncode == 130 and "Traceback" not in err.decode(), err
     assert (out + rest).endswith(b"\n")
+
+
+# ---- one set of checks for ids, at every entry point -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    return CausalLM.load(model_dir, device="cpu")
+
+
+@pytest.mark.parametrize("ids", [[True, 2], [[1, False]], [[1, 2], [True]], np.array([True, False])])
+def test_booleans_are_refused_by_every_entry_point(lm, ids):
+    with pytest.raises(TypeError, match="bool"):
+        lm.forward(ids)
+    with pytest.raises(TypeError, match="bool"):
+        lm.generate(ids, 1)
+
+
+def test_numpy_scalars_are_ids_at_every_entry_point(lm):
+    row = [np.int64(5), np.int64(7), np.int32(9)]
+    torch.testing.assert_close(lm.forward(row), lm.forward([5, 7, 9]), rtol=0, atol=0)
+    assert torch.equal(lm.generate(row, 3), lm.generate([5, 7, 9], 3))
+    assert torch.equal(lm.generate([row, [np.int64(1)]], 2), lm.generate([[5, 7, 9], [1]], 2))

@@ -158,9 +158,17 @@ def _moved(value, device):
     return value
 
 
+ROWS = (list, tuple, np.ndarray, torch.Tensor)  # what a row of ids may be; anything else in a list is a token
+
+
+def _holds_bool(ids) -> bool:
+    """Whether nested lists hold a bool, which numpy would silently take for 0 or 1."""
+    return any(isinstance(x, (bool, np.bool_)) or (isinstance(x, (list, tuple)) and _holds_bool(x)) for x in ids)
+
+
 def left_pad(ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of token ids, rectangular or ragged, as (B, L) left-padded with 0, and each row's padding."""
-    if isinstance(ids, (list, tuple)) and ids and all(not isinstance(row, int) for row in ids):
+    if isinstance(ids, (list, tuple)) and ids and all(isinstance(row, ROWS) for row in ids):
         rows = [as_ids(row)[0] for row in ids]
         if len({len(row) for row in rows}) > 1:
             width = max(len(row) for row in rows)
@@ -181,6 +189,8 @@ def as_ids(ids, *, column: bool = False) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         tensor = ids
     else:
+        if isinstance(ids, (list, tuple)) and _holds_bool(ids):
+            raise TypeError("ids must be integers, got a bool among them")
         try:
             array = np.asarray(ids)
         except ValueError:
