@@ -100,3 +100,25 @@ def test_a_float32_load_holds_no_second_copy_of_the_weights(converted):
     print(f"peak {result['peak'] / 1e6:.0f} MB for {result['held'] / 1e6:.0f} MB of weights")
     assert result["held"] > 500e6  # the float32 model itself, not a stand-in
     assert result["peak"] < 1.3 * result["held"]
+
+
+def test_float32_is_as_close_to_float64_as_transformers_float32(lmstack_model, converted):
+    """Real weights (activations near 22,000 by layer 11) show what tiny random models hide: the oracle is
+    transformers in float64; lmstack's float32, prefill and decode, must be no further from it than
+    transformers' own float32 (max over the logits of the three prompts)."""
+    import transformers
+
+    lm, tok = lmstack_model
+    f64, f32 = (transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=d).eval()
+                for d in (torch.float64, torch.float32))
+    errors = {"transformers": 0.0, "prefill": 0.0, "decode": 0.0}
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            exact, theirs = f64(ids).logits, f32(ids).logits.double()
+        state = lm.allocate_state(1, ids.shape[1])
+        steps = torch.stack([lm.step(ids[:, i], state)[0] for i in range(ids.shape[1])])[None]
+        for name, logits in [("transformers", theirs), ("prefill", lm.forward(ids)), ("decode", steps)]:
+            errors[name] = max(errors[name], float((logits.double() - exact).abs().max()))
+    print(f"max |logit - float64 logit|: {errors}")
+    assert errors["prefill"] <= 1.1 * errors["transformers"] and errors["decode"] <= 1.1 * errors["transformers"]
