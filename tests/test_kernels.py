@@ -1,5 +1,7 @@
 """lmstack's CPU kernels against the PyTorch operators they stand in for, on awkward shapes."""
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +229,16 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
     print(f"{variant} {weight_format}/{profile or 'fp32'}: max |delta logit| / scale with and without the kernels "
           f"= {delta:.3g}")
     assert delta < (0.03 if profile == "bf16" else 1e-5)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels.remove_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="kernels build that stopped"):
+        kernels.remove_stale_lock(lock)
+    assert not lock.exists()
+    kernels.remove_stale_lock(lock)  # nothing left to remove

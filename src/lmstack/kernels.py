@@ -16,12 +16,15 @@ import functools
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+NAME = "lmstack_kernels"
+STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
@@ -40,6 +43,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def remove_stale_lock(lock: Path):
+    """PyTorch waits forever on the lock of a build that was killed halfway; a build takes well under a minute, so a
+    lock older than STALE_LOCK_SECONDS is such a leftover."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"removing {lock}, left by a kernels build that stopped {age / 60:.0f} minutes ago", stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def available() -> bool:
     """Whether this CPU can run the kernels and they are built (once per machine, on first call)."""
@@ -50,8 +65,12 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="lmstack_kernels", sources=[str(Path(__file__).with_name("kernels.cpp"))],
-                           extra_cflags=FLAGS, is_python_module=False)
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        build = root / f"{NAME}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(build / "lock")
+        cpp_extension.load(name=NAME, sources=[str(Path(__file__).with_name("kernels.cpp"))], extra_cflags=FLAGS,
+                           build_directory=str(build), is_python_module=False)
     except Exception as error:  # no compiler or ninja, or an old PyTorch: PyTorch's operators still work
         warnings.warn(f"lmstack's CPU kernels could not be built, using PyTorch's operators: {error}", stacklevel=2)
         return False
