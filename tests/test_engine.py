@@ -122,6 +122,11 @@ def test_a_request_that_cannot_fit_alone_is_refused_naming_sizes(llama):
         engine.add(list(range(30)), max_tokens=5)
 
 
+def test_a_kv_pool_larger_than_the_memory_left_is_refused_before_allocating(llama):
+    with pytest.raises(MemoryError, match=r"a KV pool of \d+ blocks \(kv_cache_memory\) needs .* available"):
+        Engine(llama, kv_cache_memory=1 << 50)
+
+
 def test_abort_frees_the_blocks(llama):
     with engine_for(llama) as engine:
         handle = engine.add(prompts(1, seed=6, shortest=30)[0], max_tokens=90)

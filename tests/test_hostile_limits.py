@@ -69,6 +69,17 @@ def test_finite_weights_load_exactly(tmp_path):
         assert torch.equal(loaded[name], tensor.float()), name
 
 
+def test_finite_float32_weight_that_overflows_bfloat16_storage_is_refused_by_name(tmp_path):
+    """3.4e38 is a finite float32 but beyond bfloat16's largest value (3.39e38)."""
+    weights = tensors()
+    name = "model.layers.0.mlp.gate_proj.weight"
+    weights[name][0, 0] = 3.4e38
+    root = checkpoint_dir(tmp_path, weights=weights)
+    with pytest.raises(CheckpointError, match=rf"{name}.*overflow to inf when stored as bfloat16"):
+        CausalLM.load(root, device="cpu", weight_format="bfloat16")
+    assert CausalLM.load(root, device="cpu").parameters()[name][0, 0] == 3.4e38  # float32 holds it
+
+
 # ---- class 6: one symlink rule for every file of a checkpoint ---------------------------------------
 
 

@@ -378,6 +378,11 @@ class CausalLM:
             stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
                 continue
+            if not all(bool(torch.isfinite(t).all()) for t in vars(stored).values()
+                       if isinstance(t, torch.Tensor) and t.is_floating_point()):
+                names = [name for key, name, _ in self.plan.layer_weights(i) if key.startswith(path + ".")]
+                raise CheckpointError(f"{', '.join(names)}: values overflow to inf when stored as {self.weight_format} "
+                                      f"(bfloat16 reaches ±{torch.finfo(torch.bfloat16).max:.4g})")
             setattr(owner, attribute, stored)
             for key, name, rows in self.plan.layer_weights(i):
                 if key.startswith(path + "."):

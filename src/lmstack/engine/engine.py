@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from .. import memory
 from ..sampling import Sampler, TextStream
 from .kv_cache import BlockPool
 from .runner import Runner
@@ -221,6 +222,7 @@ class Engine:
                 raise ValueError(f"kv_cache_memory {kv_cache_memory} bytes holds no KV block: one block of "
                                  f"{block_size} tokens takes {model.page_bytes(block_size)} bytes")
         self.kv_cache_memory = self.n_blocks * (model.page_bytes(block_size) if self.n_blocks else 0)
+        memory.ensure(self.kv_cache_memory, model.device, f"a KV pool of {self.n_blocks} blocks (kv_cache_memory)")
         self.pool = BlockPool(self.n_blocks, block_size) if self.n_blocks else None
         self.runner = Runner(model, self.n_blocks, block_size, max_running)
         self.scheduler = Scheduler(self.pool, max_running, max_prefill_tokens, self.runner.chunk_align)
