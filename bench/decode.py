@@ -1,245 +1,407 @@
-"""Prefill and decode speed of lmstack per weight format, against transformers and llama.cpp, in one run.
+"""lmstack against llama.cpp on the same GGUF file per bit width: decode, prefill, contention, long contexts.
 
-    python bench/decode.py                      # the default model (SmolLM2-135M-Instruct GGUF)
-    python bench/decode.py --model PATH_OR_GGUF --formats float32,bfloat16,int8 --profiles fp32
+    python bench/decode.py                  # the table (BF16, Q8_0, Q4_0 files of the default model)
+    python bench/decode.py --quick          # fewer tokens, one long context: a couple of minutes
+    python bench/decode.py --rows BF16=bfloat16,Q8_0=int8,Q8_0=gguf,Q4_0=int4 --transformers
 
-Machines here are noisy (memory bandwidth drifts by 2x between sittings), so every number is printed
-beside a baseline measured in the same run: transformers in the same dtype (bfloat16 for int8/int4),
-this machine's read bandwidth, and llama.cpp on the same weights when `llama-cpp-python` is installed.
-Prefill is the time to the first token of a long prompt (its logits only, as generation needs);
-decode, the tokens/s of the steps after it. Peak RSS of each load is measured in a fresh process.
+The BF16, Q8_0 and Q4_0 files are made once from the source GGUF (llama.cpp's quantizer when
+llama-cpp-python is installed, else gguf's) and cached. A row FILE=FORMAT runs lmstack on that file with
+that weight format (numeric profile bf16) beside llama.cpp on the same file. Each engine runs in its own
+worker process, loaded once per row, and the measurements alternate between them (A B, B A, ...); every
+figure is the median of --repeats. Decode is batch 1, the tokens/s of the greedy steps after the first
+token; prefill the tokens/s of a prompt's forward. Machines here are shared and noisy: only the ratios of
+one run mean anything, and the load average is printed with them.
 """
 
 import argparse
+import hashlib
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from lmstack import CausalLM, kernels, models
-from lmstack.convert import convert
-from lmstack.formats import PROFILES_OF
-from lmstack.gguf import is_gguf
-
-HF_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}  # transformers' baseline: the profile's arithmetic
-LLAMA_CPP_TYPES = ("BF16", "Q8_0", "Q4_0")
-SILENT = None  # llama.cpp's log callback, made on first use (its per-tensor log would fill the screen)
+TYPES = ("BF16", "Q8_0", "Q4_0")
+DEFAULT_ROWS = "BF16=bfloat16,Q8_0=int8,Q4_0=int4"
+LONG_DECODE = 32  # tokens decoded after each long context
+CHUNK = 512  # prefill chunk of the long contexts (llama.cpp's default batch)
 
 
-def median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# ---- the files -------------------------------------------------------------------------------------------
+
+def quantized_ggufs(source: Path, workdir: Path, llama_cpp: bool) -> dict:
+    """The same weights in BF16, Q8_0 and Q4_0: llama.cpp's quantizer (its choice of type per tensor, e.g. a
+    Q6_K tied embedding in Q4_0) when llama-cpp-python is installed, else every matrix in the type (gguf's)."""
+    out = {}
+    for name in TYPES:
+        target = workdir / f"model-{name}-{'llama.cpp' if llama_cpp else 'gguf'}.gguf"
+        if not target.exists():
+            partial = target.with_suffix(".partial")
+            (llama_cpp_quantize if llama_cpp else gguf_quantize)(source, partial, name)
+            partial.rename(target)
+        out[name] = target
+    return out
 
 
-def read_bandwidth(repeats=7, nbytes=1 << 30) -> float:
-    """GB/s of a streaming read: the fastest of several reductions over a buffer far larger than the caches."""
-    buffer = torch.ones(nbytes // 4)
-    best = float("inf")
-    for reduce in (buffer.sum, buffer.amax, buffer.sum, buffer.amax):
-        reduce()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reduce()
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+def llama_cpp_quantize(source: Path, target: Path, name: str):
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+    params.allow_requantize = True
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {name}")
 
 
-def bytes_per_token(lm: CausalLM) -> int:
-    """Weight bytes one decode step reads: every block, the final norm and the head (the embedding
-    lookup reads one row)."""
-    def size(module):
-        plain = sum(t.numel() * t.element_size() for t in vars(module).values() if isinstance(t, torch.Tensor))
-        return plain + sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+def gguf_quantize(source: Path, target: Path, name: str):
+    """Every matrix of source requantized to the type with gguf's reference quantizers; vectors kept."""
+    import gguf
 
-    modules = [*lm.blocks.modules(), lm.norm, lm.head_projection]
-    return sum(size(m) for m in modules)
+    qtype = gguf.GGMLQuantizationType[name]
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if len(tensor.shape) >= 2 and tensor.shape[0] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            data = gguf.quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), qtype)
+            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
-def lmstack_speeds(lm, prompt, long_prompt, new_tokens, repeats):
-    def decode():
-        stream = lm.stream(prompt, new_tokens)
+def cache_dir(source: Path) -> Path:
+    """A directory for the files made from source, kept between runs (keyed by its path, size and time)."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"lmstack-bench-{key}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+# ---- the engines, each in its own worker process ---------------------------------------------------------
+
+class Lmstack:
+    def __init__(self, path, threads, weight_format, **_):
+        import torch
+
+        from lmstack import CausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.lm = CausalLM.load(path, weight_format=weight_format, numeric_profile="bf16", device="cpu")
+
+    def decode(self, prompt, tokens):
+        stream = self.lm.stream(self.torch.tensor([prompt]), tokens)
         next(stream)  # the prefill and the first token
         start = time.perf_counter()
         for _ in stream:
             pass
-        return (new_tokens - 1) / (time.perf_counter() - start)
+        return (tokens - 1) / (time.perf_counter() - start)
 
-    decode()  # warm up
-    decode_rate = statistics.median(decode() for _ in range(repeats))
-    prefill_rate = long_prompt.shape[1] / median_time(lambda: next(lm.stream(long_prompt, 1)), repeats)
-    return prefill_rate, decode_rate
-
-
-def transformers_speeds(path, dtype, prompt, long_prompt, new_tokens, repeats):
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    hf.generation_config.eos_token_id = None
-    options = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        hf.generate(prompt, max_new_tokens=4, **options)
-        first = median_time(lambda: hf.generate(prompt, max_new_tokens=1, **options), repeats)
-        full = median_time(lambda: hf.generate(prompt, max_new_tokens=new_tokens, **options), repeats)
-        prefill = median_time(lambda: hf.generate(long_prompt, max_new_tokens=1, do_sample=False, pad_token_id=0,
-                                                  attention_mask=torch.ones_like(long_prompt)), repeats)
-    return long_prompt.shape[1] / prefill, (new_tokens - 1) / (full - first)
-
-
-def silence_llama_cpp():
-    global SILENT
-    import llama_cpp
-
-    SILENT = llama_cpp.llama_log_callback(lambda level, text, data: None)
-    llama_cpp.llama_log_set(SILENT, None)
-
-
-def llama_cpp_speeds(gguf_path, prompt, long_prompt, new_tokens, repeats, threads):
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                n_ctx=long_prompt.shape[1] + 64, n_batch=long_prompt.shape[1], verbose=False)
-
-    def decode():
-        llm.reset()
-        llm.eval(prompt[0].tolist())
+    def prefill(self, prompt):
         start = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            llm.eval([int(prompt[0, -1])])  # the step's cost does not depend on the token
-        return (new_tokens - 1) / (time.perf_counter() - start)
+        next(self.lm.stream(self.torch.tensor([prompt]), 1))
+        return len(prompt) / (time.perf_counter() - start)
 
-    decode()
-    decode_rate = statistics.median(decode() for _ in range(repeats))
+    def fill(self, context):
+        """Prefill a long context, kept for decode_after (the head only on the last position, as generation)."""
+        self.filled = len(context)
+        self.state = self.lm.allocate_state(1, len(context) + LONG_DECODE + 1)
+        ids = self.torch.tensor([context])
+        start = time.perf_counter()
+        with self.torch.no_grad():
+            for i in range(0, len(context), CHUNK):
+                logits = self.lm._run(ids[:, i:i + CHUNK], self.state, last_only=True)
+        self.next_token = int(logits[0, -1].argmax())
+        return len(context) / (time.perf_counter() - start)
 
-    def prefill():
-        llm.reset()
-        llm.eval(long_prompt[0].tolist())
-
-    prefill_rate = long_prompt.shape[1] / median_time(prefill, repeats)
-    return prefill_rate, decode_rate
-
-
-def quantized_ggufs(source: Path, workdir: Path) -> dict:
-    """The same weights in llama.cpp's BF16, Q8_0 and Q4_0 (requantized from the source GGUF)."""
-    import llama_cpp
-
-    out = {}
-    for name in LLAMA_CPP_TYPES:
-        target = workdir / f"model-{name}.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
-        params.allow_requantize = True
-        params.nthread = 2
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) == 0:
-            out[name] = target
-    return out
+    def decode_after(self, tokens):
+        """Greedy steps after the filled context (each call decodes at the same positions)."""
+        self.state.length = self.filled
+        token = self.next_token
+        start = time.perf_counter()
+        for _ in range(tokens):
+            token = int(self.lm.step([token], self.state).argmax())
+        return tokens / (time.perf_counter() - start)
 
 
-def load_peak(path, weight_format, profile) -> dict:
-    """Load in a fresh process: the peak of resident memory (VmHWM) over the resident memory before the
-    load, once the format's kernels (and so their libraries) have run on a toy matrix."""
-    code = f"""
-import json, time, torch
-from lmstack import CausalLM
-from lmstack.formats import convert, resolve
-torch.set_num_threads(2)
-def status(key): return int(open('/proc/self/status').read().split(key + ':')[1].split()[0]) * 1024
-dtype = resolve({weight_format!r}, {profile!r})
-convert(torch.nn.Linear(64, 64).to(dtype), {weight_format!r}, dtype)(torch.ones(2, 64, dtype=dtype))
-before = status('VmRSS')
-start = time.perf_counter()
-lm = CausalLM.load({str(path)!r}, weight_format={weight_format!r}, numeric_profile={profile!r}, device='cpu')
-print(json.dumps(dict(seconds=time.perf_counter() - start, peak=status('VmHWM') - before)))
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+class LlamaCpp:
+    def __init__(self, path, threads, n_ctx, **_):
+        import llama_cpp
+
+        self.silent = llama_cpp.llama_log_callback(lambda level, text, data: None)  # not its per-tensor log
+        llama_cpp.llama_log_set(self.silent, None)
+        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   n_batch=CHUNK, verbose=False)
+
+    def _greedy(self):
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+
+    def decode(self, prompt, tokens):
+        self.llm.reset()
+        self.llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(tokens - 1):
+            self.llm.eval([self._greedy()])
+        return (tokens - 1) / (time.perf_counter() - start)
+
+    def prefill(self, prompt):
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def fill(self, context):
+        rate = self.prefill(context)
+        self.filled, self.next_token = len(context), self._greedy()
+        return rate
+
+    def decode_after(self, tokens):
+        self.llm.n_tokens = self.filled  # eval drops the cache past n_tokens
+        token = self.next_token
+        start = time.perf_counter()
+        for _ in range(tokens):
+            self.llm.eval([token])
+            token = self._greedy()
+        return tokens / (time.perf_counter() - start)
+
+
+class Transformers:
+    """transformers in bfloat16 on the file's weights (converted to a checkpoint directory)."""
+
+    def __init__(self, path, threads, **_):
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        self.hf.generation_config.eos_token_id = None
+
+    def _generate(self, prompt, tokens):
+        ids = self.torch.tensor([prompt])
+        start = time.perf_counter()
+        with self.torch.no_grad():
+            self.hf.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                             attention_mask=self.torch.ones_like(ids))
+        return time.perf_counter() - start
+
+    def decode(self, prompt, tokens):
+        return (tokens - 1) / (self._generate(prompt, tokens) - self._generate(prompt, 1))
+
+    def prefill(self, prompt):
+        return len(prompt) / self._generate(prompt, 1)
+
+
+ENGINES = {"lmstack": Lmstack, "llama.cpp": LlamaCpp, "transformers": Transformers}
+
+
+def serve(spec: dict):
+    """A worker: answer one JSON request per line of stdin (op and arguments) with one JSON line."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the engines' own prints go to stderr
+    engine = ENGINES[spec["engine"]](**spec)
+    engine.decode(spec["warmup"], 4)
+    print(json.dumps("ready"), file=answers)
+    for line in sys.stdin:
+        request = json.loads(line)
+        print(json.dumps(getattr(engine, request.pop("op"))(**request)), file=answers)
+
+
+class Worker:
+    """One engine in its own process."""
+
+    def __init__(self, engine, **spec):
+        self.name = engine
+        spec = dict(engine=engine, **{k: str(v) if isinstance(v, Path) else v for k, v in spec.items()})
+        self.process = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()
+
+    def _answer(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker ended (its error is above)")
+        return json.loads(line)
+
+    def __call__(self, op, **arguments):
+        self.process.stdin.write(json.dumps(dict(op=op, **arguments)) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def alternating(workers: dict, op, repeats, **arguments) -> dict:
+    """The median of each worker's answers, the workers taking turns (A B, B A, ...) so drift hits all alike."""
+    answers = {name: [] for name in workers}
+    for i in range(repeats):
+        for name in (list(workers) if i % 2 == 0 else list(workers)[::-1]):
+            answers[name].append(workers[name](op, **arguments))
+    return {name: statistics.median(values) for name, values in answers.items()}
+
+
+# ---- the table -------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    name: str
+    lmstack: float
+    llama_cpp: float | None
+    transformers: float | None = None
+    unit: str = "tok/s"
+
+    def cells(self):
+        def fmt(v):
+            return "-" if v is None else f"{v:.0%}" if self.unit == "%" else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+        ratio = "-" if not self.llama_cpp else f"{self.lmstack / self.llama_cpp:.2f}x"
+        return [self.name, fmt(self.lmstack), fmt(self.llama_cpp), ratio, fmt(self.transformers)]
+
+
+def table(rows) -> str:
+    lines = ["| measure | lmstack | llama.cpp | lmstack / llama.cpp | transformers bf16 |", "|---|--:|--:|--:|--:|"]
+    return "\n".join(lines + ["| " + " | ".join(row.cells()) + " |" for row in rows])
+
+
+def prompt_lookup_rows(files, args) -> list:
+    """The prompt-lookup row: bench/lookup.py's rows(files, args), where that file exists."""
+    try:
+        import lookup
+    except ModuleNotFoundError:
+        return []
+    return lookup.rows(files, args)
+
+
+def busy():
+    """One CPU-bound process (ended by the caller)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def measure_row(file_type, path, weight_format, args, prompt, long_prompt, contexts, hf_dir) -> list:
+    """The rows of one file and lmstack format; contexts: random ids of each long context to decode after."""
+    if args.long_context != file_type:
+        contexts = []
+    n_ctx = max([len(long_prompt), len(prompt) + args.new_tokens, *[len(c) + LONG_DECODE + 1 for c in contexts]])
+    common = dict(path=path, threads=args.threads, warmup=prompt[:8])
+    workers = {"lmstack": Worker("lmstack", weight_format=weight_format, **common)}
+    if args.llama_cpp:
+        workers["llama.cpp"] = Worker("llama.cpp", n_ctx=n_ctx, **common)
+    label = f"{file_type} (lmstack {weight_format})"
+
+    def row(name, results, unit="tok/s"):
+        return Row(f"{label} {name}", results["lmstack"], results.get("llama.cpp"), results.get("transformers"), unit)
+
+    try:
+        if hf_dir:
+            workers["transformers"] = Worker("transformers", **dict(common, path=hf_dir))
+        rows = [row("decode, tok/s", alternating(workers, "decode", args.repeats, prompt=prompt,
+                                                 tokens=args.new_tokens)),
+                row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
+                                                                      prompt=long_prompt))]
+        if hf_dir:
+            workers.pop("transformers").close()
+        if args.contention == file_type:
+            competitor = busy()
+            try:
+                crowded = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
+            finally:
+                competitor.kill()
+                competitor.wait()
+            quiet = rows[0]
+            rows.append(row("decode beside 1 busy process, % of quiet",
+                            {"lmstack": crowded["lmstack"] / quiet.lmstack,
+                             **({"llama.cpp": crowded["llama.cpp"] / quiet.llama_cpp} if args.llama_cpp else {})},
+                            unit="%"))
+        for context in contexts:
+            fill = {name: worker("fill", context=context) for name, worker in workers.items()}
+            rows.append(row(f"decode {LONG_DECODE} after {len(context)}, tok/s",
+                            alternating(workers, "decode_after", args.repeats, tokens=LONG_DECODE)))
+            rows.append(row(f"prefill {len(context)}, tok/s", fill))
+        return rows
+    finally:
+        for worker in workers.values():
+            worker.close()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory, GGUF file or name (default: smollm2)")
-    parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
-    parser.add_argument("--profiles", default="fp32,bf16", help="numeric profiles, each with every format it takes")
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="source GGUF file (default: the built-in smollm2)")
+    parser.add_argument("--rows", default=DEFAULT_ROWS, help="FILE=lmstack weight format, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--contexts", default="4096,8000", help="long contexts (tokens), comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--contention", default="BF16", help="file of the contention row ('' for none)")
+    parser.add_argument("--long-context", default="BF16", help="file of the long-context rows ('' for none)")
+    parser.add_argument("--transformers", action="store_true", help="transformers bf16 beside the BF16 row (slow)")
+    parser.add_argument("--quick", action="store_true", help="32 new tokens, 256-token prefill, one 4096 context")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    source = models.resolve(args.model)
-    workdir = Path(tempfile.mkdtemp(prefix="lmstack-bench-"))
-    checkpoint = source
-    if is_gguf(source):
-        checkpoint = workdir / "hf"
-        convert(source, checkpoint)
-    first = CausalLM.load(checkpoint, device="cpu")
-    vocab = first.vocab_size
-    del first
-    prompt = torch.randint(0, vocab, (1, args.prompt_tokens))
-    long_prompt = torch.randint(0, vocab, (1, args.prefill_tokens))
-    bandwidth = read_bandwidth()
-    print(f"model: {source}\nthreads: {args.threads}; prompt {args.prompt_tokens} tokens, {args.new_tokens} new "
-          f"tokens; prefill {args.prefill_tokens} tokens; median of {args.repeats}\n"
-          f"lmstack's CPU kernels: {'on' if kernels.available() else 'off (PyTorch operators)'}\n"
-          f"read bandwidth: {bandwidth:.1f} GB/s\n")
-
-    rows, baselines = [], {}
-    runs = [(f, p) for p in args.profiles.split(",") for f in args.formats.split(",") if p in PROFILES_OF[f]]
-    for weight_format, profile in runs:
-        lm = CausalLM.load(checkpoint, weight_format=weight_format, numeric_profile=profile, device="cpu")
-        prefill, decode = lmstack_speeds(lm, prompt, long_prompt, args.new_tokens, args.repeats)
-        weight_bytes = bytes_per_token(lm)
-        model_bytes = weight_bytes + lm.embed.numel() * lm.embed.element_size()
-        del lm
-        dtype = HF_DTYPE[profile]
-        if not args.no_transformers and dtype not in baselines:
-            baselines[dtype] = transformers_speeds(checkpoint, dtype, prompt, long_prompt, args.new_tokens,
-                                                   args.repeats)
-        hf_prefill, hf_decode = baselines.get(dtype, (float("nan"), float("nan")))
-        bound = bandwidth * 1e9 / weight_bytes
-        load = load_peak(checkpoint, weight_format, profile)
-        rows.append((f"{weight_format}/{profile}", prefill, prefill / hf_prefill, decode, decode / hf_decode,
-                     weight_bytes / 1e6, decode / bound, load["peak"] / model_bytes, load["seconds"]))
-        print(f"  measured {weight_format}/{profile}", file=sys.stderr)
-
-    print(f"{'format':<13} {'prefill/s':>9} {'vs HF':>6} {'decode/s':>9} {'vs HF':>6} {'MB/token':>9} "
-          f"{'of bound':>8} {'load peak':>9} {'load s':>6}")
-    for fmt, prefill, prefill_ratio, decode, decode_ratio, mb, fraction, peak, seconds in rows:
-        print(f"{fmt:<13} {prefill:9.0f} {prefill_ratio:5.2f}x {decode:9.1f} {decode_ratio:5.2f}x {mb:9.0f} "
-              f"{fraction:7.0%} {peak:8.2f}x {seconds:6.2f}")
-    for dtype, (prefill, decode) in baselines.items():
-        print(f"transformers {str(dtype).removeprefix('torch.')}: prefill {prefill:.0f}/s, decode {decode:.1f}/s")
-    print("(vs HF: against transformers in the profile's dtype; of bound: decode speed over "
-          "read bandwidth / weight bytes per token; load peak: peak RSS of the load over the weight bytes)")
-
-    if args.no_llama_cpp or not is_gguf(source):
-        return
+    if args.worker:
+        return serve(json.loads(args.worker))
     try:
         import llama_cpp  # noqa: F401
+        args.llama_cpp = True
     except ImportError:
-        print("llama.cpp: not measured (pip install llama-cpp-python)")
-        return
-    silence_llama_cpp()
-    print("\nllama.cpp on the same weights (requantized from the source GGUF):")
-    bf16_decode = baselines.get(torch.bfloat16, (None, None))[1]
-    for name, gguf_path in {"source": source, **quantized_ggufs(source, workdir)}.items():
-        prefill, decode = llama_cpp_speeds(gguf_path, prompt, long_prompt, args.new_tokens, args.repeats,
-                                           args.threads)
-        ratio = f" ({decode / bf16_decode:.2f}x transformers bfloat16)" if bf16_decode else ""
-        print(f"  {name:<6} prefill {prefill:6.0f}/s  decode {decode:6.1f}/s{ratio}")
+        print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
+        args.llama_cpp = False
+    if args.quick:
+        args.new_tokens, args.prefill_tokens, args.contexts = 32, 256, "4096"
+
+    from lmstack import models
+    from lmstack.config import plan_for
+    from lmstack.gguf import GGUFFile
+
+    source = models.resolve(args.model)
+    rows_spec = [item.split("=") for item in args.rows.split(",")]
+    for item in rows_spec:
+        if len(item) != 2 or item[0] not in TYPES:
+            parser.error(f"--rows: {'='.join(item)!r} is not FILE=FORMAT with FILE one of {', '.join(TYPES)}")
+    workdir = cache_dir(source)
+    files = quantized_ggufs(source, workdir, args.llama_cpp)
+    with GGUFFile(files["BF16"]) as f:
+        vocab = plan_for(f.config).vocab_size
+    generator = random.Random(0)
+    lengths = [args.prompt_tokens, args.prefill_tokens, *(int(c) for c in args.contexts.split(",") if c)]
+    prompt, long_prompt, *contexts = [[generator.randrange(vocab) for _ in range(n)] for n in lengths]
+    hf_dir = None
+    if args.transformers:
+        from lmstack.convert import convert
+
+        hf_dir = workdir / "hf-BF16"
+        if not hf_dir.exists():
+            convert(files["BF16"], hf_dir)
+
+    load_before = os.getloadavg()
+    rows = []
+    for file_type, weight_format in rows_spec:
+        rows += measure_row(file_type, files[file_type], weight_format, args, prompt, long_prompt, contexts,
+                            hf_dir if file_type == "BF16" else None)
+        print(f"  measured {file_type}={weight_format}", file=sys.stderr)
+    rows += prompt_lookup_rows(files, args)
+    print(f"source: {source}\nfiles: {workdir}\n{args.threads} threads, batch 1, {args.prompt_tokens}-token prompt, "
+          f"{args.new_tokens} new tokens; median of {args.repeats}, engines alternating, each in its own process\n"
+          f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
+    print(table(rows))
 
 
 if __name__ == "__main__":
