@@ -22,6 +22,7 @@ names the file, the field or tensor, and what was expected.
 from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
 from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
 from .gguf import GGUFFile
+from .lookup import PromptLookupError
 from .model import CausalLM, CausalLMState
 from .parallel import ParallelCausalLM, PipelineCausalLM
 from .perplexity import Perplexity, perplexity
@@ -30,7 +31,7 @@ from .tokenizer import PATTERNS, Tokenizer, TokenizerError
 
 __all__ = [
     "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
-    "ModelPlan", "PATTERNS", "ParallelCausalLM", "Perplexity", "PipelineCausalLM", "SafetensorsFile", "Sampler",
-    "TextStream", "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text", "perplexity", "plan_for",
-    "stream_text",
+    "ModelPlan", "PATTERNS", "ParallelCausalLM", "Perplexity", "PipelineCausalLM", "PromptLookupError",
+    "SafetensorsFile", "Sampler", "TextStream", "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text",
+    "perplexity", "plan_for", "stream_text",
 ]

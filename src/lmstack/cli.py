@@ -21,6 +21,7 @@ from .checkpoint import DTYPES, Checkpoint
 from .config import HFConfig, plan_for
 from .gguf import GGUFFile, is_gguf
 from .formats import NUMERIC_PROFILES, WEIGHT_FORMATS
+from .lookup import DEFAULT_NGRAM
 from .sampling import Sampler, text_steps
 
 GENERATE_TOKENS = 64
@@ -67,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--repetition-penalty", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
         p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+        p.add_argument("--prompt-lookup", type=_natural, default=0, metavar="N",
+                       help="prompt lookup decoding: check up to N drafted tokens per forward, copied from the prompt "
+                            "and the text so far (the same tokens; faster on text that repeats). 0: off")
+        p.add_argument("--lookup-ngram", type=_positive, default=DEFAULT_NGRAM, metavar="N",
+                       help=f"drafts follow a match of the last N tokens or fewer (default {DEFAULT_NGRAM})")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
         p.add_argument("--verbose", "-v", action="store_true", help="load time and tokens/s on stderr")
 
@@ -201,7 +207,8 @@ def _answer(lm, tokenizer, ids, args) -> str:
     start = time.perf_counter()
     text, steps, first = "", 0, None
     try:
-        for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args)):
+        for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args),
+                                   prompt_lookup=args.prompt_lookup, lookup_ngram=args.lookup_ngram):
             steps += 1
             first = first or time.perf_counter()
             if piece:

@@ -134,6 +134,9 @@ class Int8Linear(nn.Module):
         self.packed_kernel = on_cpu and compute == torch.bfloat16 and not self.kernel  # PyTorch's, else
         self.weight = kernels.tile_int8(q) if self.kernel else q
 
+    row_invariant = property(lambda self: self.kernel, doc="whether each row's result is the same whatever "
+                             "the rows beside it, under row_invariant()")
+
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
         if self.kernel and (rows <= INT8_KERNEL_ROWS or _row_invariant()):
@@ -170,6 +173,8 @@ class Int4Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
         self.in_features = k
 
+    row_invariant = True  # PyTorch's int4 CPU kernel sums each row alike whatever the rows (tests/test_lookup.py)
+
     def dense_weight(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.weight.device)
         return self._matmul(eye).float().T  # what the kernel computes with, column by column
@@ -191,6 +196,9 @@ class MatvecLinear(nn.Module):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().to(compute)
         self.kernel = self.weight.is_cpu and kernels.available()
+
+    row_invariant = property(lambda self: self.kernel, doc="whether each row's result is the same whatever "
+                             "the rows beside it, under row_invariant()")
 
     def forward(self, x):
         if self.kernel and (x.numel() <= MATVEC_ROWS * self.weight.shape[1] or _row_invariant()):

@@ -22,6 +22,7 @@ from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
 from .formats import QUANTIZED, check_format, convert, head_projection, profile_of, resolve
 from .gguf import GGUFFile, is_gguf
+from . import lookup
 from .rope import Rotary
 from .sampling import Sampler
 
@@ -517,14 +518,14 @@ class CausalLM:
             raise ValueError(f"step takes one token per row, got shape {tuple(ids.shape)}")
         return self.forward(ids, state)[:, -1]
 
-    def generate(self, ids, max_new_tokens: int, *, greedy: bool = True, eos_ids=(), until=None,
-                 **sampling) -> torch.Tensor:
+    def generate(self, ids, max_new_tokens: int, *, greedy: bool = True, eos_ids=(), until=None, prompt_lookup=0,
+                 lookup_ngram=lookup.DEFAULT_NGRAM, **sampling) -> torch.Tensor:
         """(B, L) ids in, (B, L + max_new_tokens) ids out: each prompt followed by its continuation.
 
         `greedy=True` takes the argmax (ties to the lowest id); `greedy=False` samples, and needs a
-        `temperature` > 0 (Sampler's options: lmstack's extension, as are `eos_ids` and `until`; see `stream`).
-        Ragged rows are left-padded with -1 to the longest prompt; a row that stops keeps the token it
-        stopped at and holds -1 after it.
+        `temperature` > 0 (Sampler's options: lmstack's extension, as are `eos_ids`, `until` and prompt lookup;
+        see `stream`). Ragged rows are left-padded with -1 to the longest prompt; a row that stops keeps the
+        token it stopped at and holds -1 after it.
         """
         if not isinstance(greedy, bool):
             raise TypeError(f"greedy must be True or False, got {greedy!r}")
@@ -536,15 +537,18 @@ class CausalLM:
             raise ValueError("greedy=False needs a sampling option: a temperature > 0 (with top_k, top_p, min_p, "
                              "seed as wanted)")
         ids, offsets = self._prompt(ids, max_new_tokens)
+        lookup.check(self, ids.shape[0], prompt_lookup, lookup_ngram)
         B, L = ids.shape
         out = torch.full((B, L + max_new_tokens), -1, dtype=torch.long, device=self.device)
         out[:, :L] = ids.masked_fill(torch.arange(L, device=self.device) < offsets[:, None], -1)
         if max_new_tokens:
-            for i, tokens in enumerate(self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until)):
+            for i, tokens in enumerate(self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until,
+                                                    prompt_lookup, lookup_ngram)):
                 out[:, L + i] = tokens
         return out
 
-    def stream(self, ids, max_new_tokens: int, *, eos_ids=(), until=None, **sampling) -> Iterator[torch.Tensor]:
+    def stream(self, ids, max_new_tokens: int, *, eos_ids=(), until=None, prompt_lookup=0,
+               lookup_ngram=lookup.DEFAULT_NGRAM, **sampling) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens (B,) as they are made: one prefill, then one step per token.
 
         `ids` may be ragged (rows of different lengths): rows are left-padded and masked, so each row
@@ -552,12 +556,19 @@ class CausalLM:
         called with each step's tokens before they are yielded, returns True for it ((B,) bool);
         a stopped row yields -1. `sampling`: Sampler's fields (temperature, top_k, top_p, min_p,
         repetition_penalty, seed); the default is greedy.
+
+        `prompt_lookup=N` (prompt lookup decoding, lookup.py) drafts up to N tokens per forward: those that
+        followed the first earlier occurrence, in the prompt or the text so far, of the last `lookup_ngram`
+        tokens or fewer; one forward checks them all. The tokens are the plain generation's (sampled ones too,
+        seed for seed); text that repeats the prompt comes faster. One prompt at a time, transformer models on
+        CPU with lmstack's kernels; elsewhere lookup.PromptLookupError.
         """
         sampler = Sampler(**sampling)
         ids, offsets = self._prompt(ids, max_new_tokens)
+        lookup.check(self, ids.shape[0], prompt_lookup, lookup_ngram)
         if not max_new_tokens:
             return iter(())
-        return self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until)
+        return self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until, prompt_lookup, lookup_ngram)
 
     def _prompt(self, ids, max_new_tokens):
         """The prompt rows left-padded (B, L) on the model's device and their padding, checked before anything
@@ -572,10 +583,13 @@ class CausalLM:
         self._check_state_memory(ids.shape[0], L + max_new_tokens, extra=ids.shape[0] * (L + max_new_tokens) * 8)
         return self._check_ids(ids, None), offsets.to(self.device)
 
-    def _stream(self, ids, offsets, max_new_tokens, sampler, eos_ids, until):
+    def _stream(self, ids, offsets, max_new_tokens, sampler, eos_ids, until, prompt_lookup=0,
+                lookup_ngram=lookup.DEFAULT_NGRAM):
         state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)  # the last token is not fed
         state.offsets.copy_(offsets)
         eos = torch.tensor(list(eos_ids), dtype=torch.long, device=self.device)
+        if prompt_lookup:
+            return lookup.decode(self, ids, state, max_new_tokens, sampler, eos, until, prompt_lookup, lookup_ngram)
         return self._decode(ids, state, max_new_tokens, sampler, eos, until)
 
     @torch.no_grad()
@@ -602,10 +616,12 @@ class CausalLM:
             logits = self._run(tokens.clamp(min=0)[:, None], state, last_only=True)
 
     @torch.no_grad()
-    def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False) -> torch.Tensor:
-        """The one path every entry point takes; ids are already checked."""
+    def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False,
+             alone: bool = False) -> torch.Tensor:
+        """The one path every entry point takes; ids are already checked. `alone` (under formats.row_invariant,
+        where lookup.exact_verification allows it): each token gets the logits a one-token step would give it."""
         x = F.embedding(ids.to(self.device), self.embed)
-        ctx = self._context(ids.shape, state)
+        ctx = self._context(ids.shape, state, alone)
         for i, block in enumerate(self.blocks):
             if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
                 x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
@@ -620,20 +636,27 @@ class CausalLM:
         """Final norm and head, in the model's dtype."""
         return self.head_projection(self.norm(x).to(self.dtype))
 
-    def _context(self, shape, state):
+    def _context(self, shape, state, alone=False):
         """What every layer of one forward shares, for this model's kind of block."""
         if self.rotary is None:
             return self._recurrent_context(shape, state)
-        return self._attention_context(shape, state)
+        return self._attention_context(shape, state, alone)
 
-    def _attention_context(self, shape, state) -> AttentionContext:
+    def _attention_context(self, shape, state, alone=False) -> AttentionContext:
         B, L = shape
         start = 0 if state is None else state.length
         slots = torch.arange(start, start + L, device=self.device)
         offsets = None if state is None or not state.offsets.any() else state.offsets
         positions = slots.expand(B, L) if offsets is None else (slots[None] - offsets[:, None]).clamp(min=0)
+        windows = set(self.plan.layer_windows)
+        if alone:  # each position's tables and mask made as its own step makes them (an elementwise op's
+            # vectorized and scalar paths may round differently, and which elements take which depends on the size)
+            tables = [self.rotary(positions[:, i:i + 1], self.dtype) for i in range(L)]
+            cos, sin = (torch.cat(t, dim=1) for t in zip(*tables))
+            masks = {w: [self._mask(slots[i:i + 1], start + i + 1, w, offsets) for i in range(L)] for w in windows}
+            return AttentionContext(start, cos, sin, masks, alone=True)
         cos, sin = self.rotary(positions, self.dtype)
-        masks = {w: self._mask(slots, start + L, w, offsets) for w in set(self.plan.layer_windows)}
+        masks = {w: self._mask(slots, start + L, w, offsets) for w in windows}
         return AttentionContext(start, cos, sin, masks)
 
     def _recurrent_context(self, shape, state) -> RecurrentContext:

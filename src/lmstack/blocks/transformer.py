@@ -46,7 +46,9 @@ class AttentionContext:
     start: int  # cache slot of the first new token
     cos: torch.Tensor
     sin: torch.Tensor
-    masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal
+    masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal; with `alone`, a list
+    # of each query's one-token-step mask
+    alone: bool = False  # each query attends as a one-token step would (needs the kernels): exact verification
 
 
 @dataclass
@@ -121,8 +123,11 @@ class Attention(nn.Module):
         if cache is not None and kernels.usable(qkv):
             q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
             end = ctx.start + L
-            if L == 1 and mask is None:
-                return self.o(kernels.decode_attention(q, cache.k, cache.v, end))
+            if ctx.alone:
+                y = [self._one_query(q[:, i:i + 1], cache, ctx.start + i + 1, mask[i]) for i in range(L)]
+                return self.o(torch.cat(y, dim=1))
+            if L == 1:
+                return self.o(self._one_query(q, cache, end, mask))
             q, k, v = q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end]
         else:
             qk = apply_rotary(qkv[:, :, :H + KV], ctx.cos, ctx.sin)  # the q and k heads in one pass
@@ -141,6 +146,14 @@ class Attention(nn.Module):
                                                enable_gqa=gqa)
         return self.o(y.transpose(1, 2).reshape(B, L, H * self.head_dim))
 
+    def _one_query(self, q: torch.Tensor, cache: KVCache, end: int, mask) -> torch.Tensor:
+        """A one-token step's attention with the kernels: q (B, 1, H, D), its k and v already at slot end - 1,
+        over slots 0..end-1 -> (B, 1, H * D)."""
+        if mask is None:
+            return kernels.decode_attention(q, cache.k, cache.v, end)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        return y.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
     def _paged(self, qkv: torch.Tensor, cache: PagedKV, ctx: PagedContext) -> torch.Tensor:
         """qkv (1, T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
