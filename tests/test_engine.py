@@ -106,6 +106,17 @@ def test_chunked_prefill_equals_one_prefill(llama):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+def test_a_short_prompt_does_not_wait_behind_a_long_ones_chunks(llama):
+    long, short = prompts(1, seed=12, shortest=100, longest=100)[0], prompts(1, seed=13, longest=6)[0]
+    engine = engine_for(llama, max_prefill_tokens=16)  # not started: each step() is one step
+    first = engine.add(long, max_tokens=4)
+    engine.step()
+    second = engine.add(short, max_tokens=4)
+    engine.step()
+    assert (len(first.tokens), len(second.tokens)) == (0, 1)  # the long prompt still prefilling
+    assert [list(first), list(second)] == [alone(llama, long, max_tokens=4), alone(llama, short, max_tokens=4)]
+
+
 def test_a_pool_too_small_for_all_completes_all_through_preemption(llama):
     cases = prompts(8, seed=5, shortest=20, longest=40)
     engine = engine_for(llama, blocks=9)  # each request needs 2-4 blocks of 16

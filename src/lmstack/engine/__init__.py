@@ -27,8 +27,9 @@ apply to the completion's tokens, as in OpenAI's API; a seed makes a request's s
 beside it.
 
 Each step the scheduler (scheduler.py) gives every running sequence one decode token and prompts chunks of
-at most max_prefill_tokens in all, admits waiting requests while fewer than max_running run, and when the KV
-pool is short preempts the newest sequence (recomputed later). The block manager (kv_cache.py) hands out
+at most max_prefill_tokens in all, admits waiting requests while fewer than max_running run (a prompt that fits
+the step whole before the next chunk of a longer one), and when the KV pool is short preempts the newest
+sequence (recomputed later). The block manager (kv_cache.py) hands out
 blocks of block_size token slots from one pool of kv_cache_memory bytes (default: enough for max_running
 sequences of the model's whole context, but at most a quarter of the memory free at start), and keeps full
 blocks keyed by their prefix for later prompts that start the same way. The runner (runner.py) makes one

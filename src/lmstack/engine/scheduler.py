@@ -1,8 +1,9 @@
 """The scheduler: which sequences run in the next step, and how many of their tokens.
 
-Every step, each running sequence whose tokens are all computed decodes one token; sequences still prefilling
-take chunks of their prompt within `max_prefill_tokens` a step; then waiting sequences are admitted, oldest
-first, while there is room. When the KV pool runs short, the newest running sequence is preempted: its blocks
+Every step, each running sequence whose tokens are all computed decodes one token; within `max_prefill_tokens`
+prompt tokens a step, waiting sequences whose prompts fit whole are admitted first (so a short prompt never waits
+behind a long one's chunks), then sequences still prefilling take chunks of their prompt, then more waiting
+sequences are admitted, oldest first, while there is room. When the KV pool runs short, the newest running sequence is preempted: its blocks
 are released and it waits to be computed again (its full blocks stay cached, so it often finds them again).
 """
 
@@ -69,29 +70,48 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Seq, int]]:
         """(sequence, number of its next tokens to compute) for the next step."""
-        batch, budget = [], self.max_prefill_tokens
-        for seq in list(self.running):
+        batch: dict[Seq, int] = {}
+        prefilling = []
+        for seq in list(self.running):  # decodes first: they take none of the prefill budget
             if seq not in self.running:  # preempted for an older one
                 continue
-            left = len(seq.tokens) - seq.n_computed
-            if left > 1 and budget <= 0:
-                continue
-            n = self._chunk(left, budget)
-            while not self._grow(seq, seq.n_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
+            if len(seq.tokens) - seq.n_computed > 1:
+                prefilling.append(seq)
             else:
-                batch.append((seq, n))
-                budget -= n if n > 1 else 0
+                self._place(batch, seq, 1)
+        budget = self._admit(batch, self.max_prefill_tokens, whole=True)  # short prompts before long ones' chunks
+        for seq in prefilling:
+            if seq in self.running and budget > 0:
+                n = self._chunk(len(seq.tokens) - seq.n_computed, budget)
+                if self._place(batch, seq, n):
+                    budget -= n
+        self._admit(batch, budget, whole=False)
+        return list(batch.items())
+
+    def _place(self, batch: dict, seq: Seq, n: int) -> bool:
+        """Put n tokens of seq in the batch, preempting the newest running sequences while the pool is short."""
+        while not self._grow(seq, seq.n_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.pop(victim, None)
+            if victim is seq:
+                return False
+        batch[seq] = n
+        return True
+
+    def _admit(self, batch: dict, budget: int, *, whole: bool) -> int:
+        """Admit waiting sequences, oldest first, while there is room (whole: only while the oldest's prompt fits
+        the budget whole); the budget left."""
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
             hits = []
             if self.pool is not None:  # a cached prefix, short of the last token, whose logits are needed
                 hits = self.pool.match(seq.tokens[:len(seq.tokens) - 1])
             cached = len(hits) * (self.pool.block_size if self.pool else 0)
-            n = self._chunk(len(seq.tokens) - cached, budget)
+            left = len(seq.tokens) - cached
+            if whole and left > budget:
+                break
+            n = self._chunk(left, budget)
             if self.pool is not None and self.pool.cost(hits, cached + n) > self.pool.n_free:
                 break
             self.waiting.pop(0)
@@ -102,9 +122,9 @@ class Scheduler:
                 seq.slot = self.free_slots.pop()
             seq.n_computed = cached
             bisect.insort(self.running, seq)
-            batch.append((seq, n))
+            batch[seq] = n
             budget -= n
-        return batch
+        return budget
 
     def _preempt(self, seq: Seq):
         self.running.remove(seq)
