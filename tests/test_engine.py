@@ -255,6 +255,26 @@ def test_stop_strings_end_the_text_before_them(llama):
     assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[:len(stopped.tokens)]
 
 
+
+def test_async_text_chunks_bring_the_pieces_made_meanwhile(llama):
+    from lmstack import Tokenizer
+    from conftest import FIXTURES
+
+    tokenizer = Tokenizer.from_pretrained(FIXTURES / "tokenizers" / "smollm2")
+    engine = Engine(llama, tokenizer, kv_cache_memory=64 * llama.page_bytes(16))  # not started: steps run inline
+    handle = engine.add(prompts(1, seed=11)[0], max_tokens=12, eos_ids=())
+    for _ in range(4):
+        engine.step()
+    made = "".join(handle.pieces)
+    assert made, "the first four tokens released no text"
+
+    async def chunks():
+        return [text async for text in handle.atext_chunks()]
+
+    texts = asyncio.run(chunks())
+    assert texts[0] == made and all(texts) and len(texts) <= 12 - 3
+    assert "".join(texts) == handle.text == tokenizer.decode(handle.tokens)
+
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
 
 

@@ -212,6 +212,26 @@ def test_stop_ends_before_the_stop_string(client):
     assert stream_text(streamed)[:2] == (cut, "stop")
 
 
+def test_ignore_eos_makes_max_tokens(model):
+    lm, tokenizer = model
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt)
+    tokens = lm.generate([ids], 8)[0, len(ids):].tolist()
+    expected = generate_text(lm, tokenizer, [prompt], 8)[0]
+    saved, lm.eos_ids = lm.eos_ids, (tokens[3],)  # greedy now meets an EOS at its fourth token, or before
+    try:
+        with running(start(model)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            stopped = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+            full = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    finally:
+        lm.eos_ids = saved
+    assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", tokens.index(tokens[3]) + 1)
+    assert (full.choices[0].finish_reason, full.usage.completion_tokens) == ("length", 8)
+    assert full.choices[0].text == expected
+
+
 def test_same_request_twice_gives_the_same_text(client):
     def ask(**sampling):
         return client.completions.create(model=NAME, prompt="A list of fruits:", max_tokens=16,

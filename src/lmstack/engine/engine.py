@@ -115,13 +115,14 @@ class Handle:
         """The completion's text, piece by piece (needs the engine's tokenizer)."""
         yield from (piece for piece in self._iterate(self.pieces) if piece)
 
-    async def _aiterate(self, items: list):
+    async def _aiterate(self, items: list, together: bool = False):
+        """items as they are made; together: lists of every item made since the last yield."""
         loop, i = asyncio.get_running_loop(), 0
         while True:
-            future = None
+            ready = future = None
             with self._cond:
                 if i < len(items):
-                    item = items[i]
+                    ready, i = (items[i:], len(items)) if together else (items[i], i + 1)
                 elif self.finish_reason is not None:
                     if self.error is not None:
                         raise self.error
@@ -129,11 +130,10 @@ class Handle:
                 elif self._engine.started:
                     future = loop.create_future()
                     self._waiters.append((loop, future))
-            if future is not None:
+            if ready is not None:
+                yield ready
+            elif future is not None:
                 await future
-            elif i < len(items):
-                yield item
-                i += 1
             else:
                 self._engine.step()
 
@@ -148,6 +148,16 @@ class Handle:
         async for piece in self._aiterate(self.pieces):
             if piece:
                 yield piece
+
+    def atext_chunks(self):
+        """For async for: the text released since the last chunk, so a caller that falls behind the engine (a
+        server streaming to many clients) gets the pieces made meanwhile as one."""
+        return self._achunks()
+
+    async def _achunks(self):
+        async for pieces in self._aiterate(self.pieces, together=True):
+            if text := "".join(pieces):
+                yield text
 
     # ---- engine side -------------------------------------------------------------------
 

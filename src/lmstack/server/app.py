@@ -217,7 +217,7 @@ def create_app(service: Service) -> Starlette:
         if req.stream:
             async def chunks():
                 yield chunk(p.Delta(role="assistant", content=""))
-                async for piece in handle.atext_pieces():
+                async for piece in handle.atext_chunks():
                     yield chunk(p.Delta(content=piece))
                 yield chunk(p.Delta(), finish=handle.finish_reason)
                 if req.include_usage:
@@ -244,7 +244,7 @@ def create_app(service: Service) -> Starlette:
 
         if req.stream:
             async def chunks():
-                async for piece in handle.atext_pieces():
+                async for piece in handle.atext_chunks():
                     yield chunk(piece)
                 yield chunk("", finish=handle.finish_reason)
                 if req.include_usage:
@@ -364,7 +364,7 @@ async def _until_disconnect(request: Request):
 async def _collect(request: Request, handle) -> str:
     """The whole text of a request, aborting it if the client leaves first."""
     async def text():
-        return "".join([piece async for piece in handle.atext_pieces()])
+        return "".join([piece async for piece in handle.atext_chunks()])
 
     collect, gone = asyncio.ensure_future(text()), asyncio.ensure_future(_until_disconnect(request))
     try:

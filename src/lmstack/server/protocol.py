@@ -3,7 +3,8 @@
 Every request model forbids unknown fields: a field the server does not know, or knows but does not
 honor, is a 400 naming it rather than a silent drop. Fields of the API that only some values of are
 served (`n`, `logprobs`, `response_format`, `tool_choice`, ...) accept those values and refuse the others
-by name. `top_k`, `min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s).
+by name. `top_k`, `min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s);
+`ignore_eos` (as vLLM and llama-server name it) makes exactly max_tokens tokens, for benchmarks.
 """
 
 import time
@@ -66,6 +67,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod
@@ -109,7 +111,8 @@ class Sampling(Strict):
                       frequency_penalty=self.frequency_penalty, seed=self.seed)
         defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                         presence_penalty=0.0, frequency_penalty=0.0, seed=None)
-        return {k: defaults[k] if v is None else v for k, v in values.items()} | {"stop": tuple(self.stop or ())}
+        options = {k: defaults[k] if v is None else v for k, v in values.items()} | {"stop": tuple(self.stop or ())}
+        return {**options, "eos_ids": ()} if self.ignore_eos else options
 
     @property
     def include_usage(self) -> bool:
