@@ -1,10 +1,11 @@
 """The scheduler: which sequences run in the next step, and how many of their tokens.
 
-Every step, each running sequence whose tokens are all computed decodes one token; within
-`max_prefill_tokens` prompt tokens a step, waiting sequences whose prompts fit whole are admitted first (so a
-short prompt never waits behind a long one's chunks), then sequences still prefilling take chunks of their
-prompt, then more waiting sequences are admitted, oldest first, while there is room. When the KV pool runs short, the newest running sequence is preempted: its blocks
-are released and it waits to be computed again (its full blocks stay cached, so it often finds them again).
+Every step, each running sequence whose tokens are all computed decodes one token; within `max_prefill_tokens`
+prompt tokens a step, waiting sequences whose prompts fit whole are admitted first (so a short prompt never waits
+behind a long one's chunks), then sequences still prefilling take chunks of their prompt, then more waiting
+sequences are admitted, oldest first, while there is room. When the KV pool runs short, the newest running sequence
+is preempted: its blocks are released and it waits to be computed again (its full blocks stay cached, so it often
+finds them again).
 """
 
 import bisect
