@@ -1,13 +1,15 @@
 """`lmstack serve` over HTTP against llama.cpp's `llama-server` on the same weights, in one run.
 
-Each level runs N concurrent clients, each streaming `--requests` completions of `--tokens` tokens (greedy, a
-different short prompt each) back to back; it reports the aggregate completion tokens/s over the level's wall
-time, the p50/p95 of a request's latency (sent to last token) and of its time to first token. The servers
-alternate level by level, so each ratio compares runs minutes apart on the same machine; "engine" is the
-same requests on lmstack's Engine in this process, without HTTP.
+Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens
+(greedy, `ignore_eos`, a different short prompt each) back to back; it reports the aggregate completion
+tokens/s over the level's wall time and the p50/p95 of a request's latency (sent to last token) and of its
+time to first token. The servers take turns level by level (the first to go alternates), so each ratio
+compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short
+request sent while 15 other streams run (`--probes` of them, one after another). `--engine` adds the same
+requests on lmstack's Engine in this process, without HTTP.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the default model's weights requantized to
-BF16 by `llama-quantize` (found beside it), 2 threads and one slot per client of the largest level:
+BF16 by `llama-quantize` (found beside it), `--threads` threads and one slot per client of the largest level:
 
     python bench/serve_http.py --llama-server /work/llama-build/build/bin/llama-server
 """
@@ -58,9 +60,9 @@ def wait_healthy(port: int, process: subprocess.Popen, what: str, timeout=600):
 def stream_one(port: int, model: str, prompt: str, tokens: int) -> dict:
     """One streamed completion: {latency, ttft, tokens}."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+                       "ignore_eos": True, "stream_options": {"include_usage": True}})
     start = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
@@ -87,7 +89,7 @@ def stream_one(port: int, model: str, prompt: str, tokens: int) -> dict:
 def engine_one(engine, tokenizer, prompt: str, tokens: int) -> dict:
     """The same request on an Engine in this process: what HTTP costs is the difference."""
     start = time.perf_counter()
-    handle = engine.add(tokenizer.encode(prompt), max_tokens=tokens, temperature=0)
+    handle = engine.add(tokenizer.encode(prompt), max_tokens=tokens, temperature=0, eos_ids=())
     for _ in handle.text_pieces():
         pass
     return dict(latency=time.perf_counter() - start, ttft=handle.time_to_first_token, tokens=handle.completion_tokens)
@@ -118,9 +120,50 @@ def level(one, clients: int, requests: int) -> dict:
                 ttft=percentiles([r["ttft"] for r in results]), tokens=statistics.mean(r["tokens"] for r in results))
 
 
+def newcomers(one, busy: int, probes: int) -> dict:
+    """Time to first token of `probes` short requests, one after another, each sent while `busy` other
+    streams run (they stream back to back until the probes are done)."""
+    done, streaming, errors = threading.Event(), threading.Semaphore(0), []
+
+    def background(i):
+        try:
+            k = 0
+            while not done.is_set():
+                one(f"Once upon a time, there was {TOPICS[(i + k) % len(TOPICS)]} who", started=streaming)
+                k += 1
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+            streaming.release()
+
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(busy)]
+    for t in threads:
+        t.start()
+    for _ in range(busy):  # every background stream has its first token
+        streaming.acquire()
+    ttfts = []
+    for k in range(probes):
+        if errors:
+            break
+        ttfts.append(one(f"Question {k}: what colour is the sky?", tokens=8)["ttft"])
+    done.set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return dict(ttft=percentiles(ttfts), worst=max(ttfts))
+
+
 def percentiles(values):
     values = sorted(values)
     return tuple(values[min(len(values) - 1, round(q * (len(values) - 1)))] for q in (0.5, 0.95))
+
+
+def signalling(one, prompt: str, tokens: int, started=None) -> dict:
+    """one(prompt, tokens), releasing `started` once (when the request ends: its first token came long before)."""
+    result = one(prompt, tokens=tokens)
+    if started is not None:
+        started.release()
+    return result
 
 
 def in_process_engine(args):
@@ -162,6 +205,10 @@ def start_llama_server(binary: Path, gguf: Path, workdir: Path, args, env) -> tu
     return process, port, weights
 
 
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -170,7 +217,9 @@ def main():
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests per client per level")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--probes", type=int, default=6, help="newcomer requests (0: no newcomer row)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", action="store_true", help="also the in-process Engine, without HTTP")
     parser.add_argument("--llama-server", type=Path, default=shutil.which("llama-server"))
     args = parser.parse_args()
 
@@ -192,33 +241,55 @@ def main():
             else:
                 print("llama-server: not measured (give --llama-server PATH)")
             print(f"lmstack serve --model {args.model} --weight-format {args.weight_format} --numeric-profile "
-                  f"{args.numeric_profile}; {args.requests} "
-                  f"requests of {args.tokens} tokens per client; machine shared, so compare ratios only\n")
-            runs = {name: partial(stream_one, port, args.model, tokens=args.tokens)
+                  f"{args.numeric_profile}; {args.requests} requests of {args.tokens} tokens per client; "
+                  f"load average {load()} at the start")
+            runs = {name: partial(signalling, partial(stream_one, port, args.model), tokens=args.tokens)
                     for name, (_, port) in servers.items()}
-            engine, tokenizer = in_process_engine(args)
-            runs["engine"] = partial(engine_one, engine, tokenizer, tokens=args.tokens)
+            if args.engine:
+                engine, tokenizer = in_process_engine(args)
+                runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
             for one in runs.values():  # warm up: kernels compiled, caches touched
                 level(one, 2, 1)
-            rows = {}
+            rows, order = {}, list(runs)
             for clients in args.clients:
-                for name, one in runs.items():
-                    rows[clients, name] = level(one, clients, args.requests)
-            print(f"{'clients':>7}  {'server':<12} {'tok/s':>7} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>8} "
-                  f"{'ttft p95':>8} {'tok/req':>7}  lmstack over it: tok/s, lat p95")
-            for clients in args.clients:
-                for name in runs:
-                    r, ours = rows[clients, name], rows[clients, "lmstack"]
-                    print(f"{clients:>7}  {name:<12} {r['rate']:7.1f} {r['latency'][0]:8.2f} {r['latency'][1]:8.2f} "
-                          f"{r['ttft'][0]:8.3f} {r['ttft'][1]:8.3f} {r['tokens']:7.1f}" +
-                          ("" if name == "lmstack" else f"  {ours['rate'] / r['rate']:.2f}x, "
-                                                         f"{ours['latency'][1] / r['latency'][1]:.2f}x"))
+                for name in order:
+                    rows[clients, name] = level(runs[name], clients, args.requests)
+                    print(f"  {clients:>2} clients, {name}: {rows[clients, name]['rate']:.1f} tok/s (load {load()})",
+                          flush=True)
+                order.reverse()
+            if args.probes:
+                busy = max(args.clients) - 1
+                for name in order:
+                    rows["newcomer", name] = newcomers(runs[name], busy, args.probes)
+                    print(f"  newcomer beside {busy} streams, {name}: TTFT p50 "
+                          f"{rows['newcomer', name]['ttft'][0]:.3f} s (load {load()})", flush=True)
+            report(rows, args, list(runs), busy=max(args.clients) - 1)
+            print(f"\nload average {load()} at the end")
         finally:
             if engine is not None:
                 engine.close()
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def report(rows, args, names, busy):
+    ours = "lmstack"
+    print("\n| clients | server | tok/s | latency p50 / p95 s | TTFT p50 / p95 s | lmstack's tok/s over it | "
+          "lmstack's p95 latency over it |")
+    print("|---|---|---|---|---|---|---|")
+    for clients in args.clients:
+        for name in names:
+            r, us = rows[clients, name], rows[clients, ours]
+            ratios = "| | |" if name == ours else (f"| {us['rate'] / r['rate']:.2f}x | "
+                                                 f"{us['latency'][1] / r['latency'][1]:.2f}x |")
+            print(f"| {clients} | {name} | {r['rate']:.1f} | {r['latency'][0]:.2f} / {r['latency'][1]:.2f} | "
+                  f"{r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} {ratios}")
+    for name in names:
+        if ("newcomer", name) in rows:
+            r = rows["newcomer", name]
+            print(f"| newcomer beside {busy} streams | {name} | | | {r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} "
+                  f"(worst {r['worst']:.3f}) | | |")
 
 
 if __name__ == "__main__":
