@@ -10,6 +10,19 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16      |
 | int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
 | int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
+| gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec      |
+
+gguf keeps a GGUF file's tensors as stored (CPU only): Q8_0, Q4_0 and Q4_1 blocks (8.5, 4.5, 5 bits a weight)
+regrouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly), any other type as the
+float32 values `gguf` dequantizes it to (exact, not fast); the embedding keeps its blocks too (the looked-up
+rows are dequantized) and a tied head multiplies them. A fused projection whose parts differ in type computes
+each part as its type and concatenates. The arithmetic of the blocks, per profile:
+  fp32: each weight dequantized exactly as gguf.quants.dequantize does (d * q, d * (q - 8), d * q + m in float32),
+        multiplied with float32 x and summed in float32; for many rows (prefill) the dequantized float32 matrix
+        goes to F.linear.
+  bf16: llama.cpp's arithmetic: each 32 columns of x quantized to int8 (q = rint(x * 127 / amax), float32 scale
+        amax / 127), the block's integer dot product summed exactly (AVX512-VNNI), times the two scales, summed in
+        float32; for many rows the dequantized weights, rounded to bfloat16, go to F.linear.
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -32,11 +45,13 @@ from .config import UnsupportedModel
 
 NUMERIC_PROFILES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PROFILE = "fp32"
-PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("fp32", "bf16"), "int8": ("fp32", "bf16"), "int4": ("fp32", "bf16")}
+PROFILES_OF = {"float32": ("fp32",), "bfloat16": ("fp32", "bf16"), "int8": ("fp32", "bf16"), "int4": ("fp32", "bf16"),
+               "gguf": ("fp32", "bf16")}
 WEIGHT_FORMATS = tuple(PROFILES_OF)
 QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
+GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 
 
@@ -77,11 +92,13 @@ def profile_of(dtype: torch.dtype) -> str:
     return next(name for name, d in NUMERIC_PROFILES.items() if d == dtype)
 
 
-def check_format(weight_format: str, plan):
+def check_format(weight_format: str, plan, devices=()):
     """Refuse, before any weight is read, a format the plan's kind or matrix widths cannot take."""
     if weight_format == "int4" and plan.kind != "transformer":
         raise UnsupportedModel(f"weight_format 'int4' is not available for {plan.kind} models "
                                f"(model_type {plan.model_type!r}); use float32, bfloat16 or int8")
+    if weight_format in ("int4", "gguf") and any(d.type not in ("cpu", "meta") for d in devices):
+        raise ValueError(f"weight_format {weight_format!r} runs on CPU only")
     if weight_format == "int4":
         o = plan.block_options
         widths = {"hidden_size": plan.d_model, "intermediate_size": o["d_ff"],
@@ -238,3 +255,60 @@ def head_projection(weight: torch.Tensor) -> nn.Module:
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return _fast_cpu_linear(linear)
+
+
+class GGUFBlocks(nn.Module):
+    """One GGUF tensor's Q8_0, Q4_0 or Q4_1 blocks as stored, regrouped by tiles of rows (kernels.pack_gguf)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, k: int):
+        super().__init__()
+        self.weight = kernels.pack_gguf(raw, qtype)
+        self.qtype, self.n, self.k = qtype, raw.shape[0], k
+        self.kernel = kernels.available()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T in x's dtype: lmstack's block kernels for a few rows, a dense matmul on the exactly dequantized
+        weights (rounded to x's dtype) for many."""
+        if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or _row_invariant()):
+            return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
+        return F.linear(x, self.dense().to(x.dtype))
+
+    def dense(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights (or rows of them) as float32, bit-equal to gguf.quants.dequantize."""
+        return kernels.gguf_dequantize(self.weight, self.qtype, self.n, self.k, rows)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense(ids).to(dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.dense()
+
+
+class GGUFLinear(nn.Module):
+    """A projection whose parts (q, k and v; gate and up; the head) stay as their GGUF tensors store them: blocks
+    for Q8_0, Q4_0 and Q4_1; float32 or bfloat16 tensors (exact) for the rest. The parts' outputs are concatenated."""
+
+    def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype):
+        super().__init__()
+        self.parts = nn.ModuleList(p if isinstance(p, GGUFBlocks) else MatvecLinear(p, None, p.dtype) for p in parts)
+        self.bias = None if bias is None else bias.detach().to(compute)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether each row's result is the same whatever the rows beside it, under row_invariant()."""
+        return all(p.kernel if isinstance(p, GGUFBlocks) else p.row_invariant for p in self.parts)
+
+    def _part(self, part, x):
+        if isinstance(part, GGUFBlocks):
+            return part.matmul(x)
+        if part.weight.dtype == torch.float32 and x.dtype != torch.float32:  # widened: float32 weights stay exact
+            return part(x.float()).to(x.dtype)
+        return part(x)
+
+    def forward(self, x):
+        ys = [self._part(part, x) for part in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        return torch.cat([p.dense() if isinstance(p, GGUFBlocks) else p.weight.float() for p in self.parts])

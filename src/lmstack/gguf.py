@@ -46,6 +46,8 @@ SCALARS = {
 }
 TYPE_IDS = {t.value: t for t in GGUFValueType}
 QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
+# the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf")
+BLOCK_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 # GGUF general.architecture -> (Hugging Face model_type, q/k rows permuted by llama.cpp's converter,
 # the transformers class `convert` names in config.json)
@@ -540,12 +542,31 @@ class GGUFFile(GGUFHeader):
         raw = self.data(t)
         block, type_size = gguf.GGML_QUANT_SIZES[t.type]
         rows = dequantize(raw.reshape(-1, t.dims[0] // block * type_size), t.type)
-        weight = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(shape))
+        return self._hf_rows(name, torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(shape)))
+
+    def stored(self, name: str):
+        """Tensor `name` as the file stores it, rows in Hugging Face's order: (ggml type id, (rows, bytes) uint8) for
+        the block types lmstack multiplies as stored (BLOCK_TYPES), else an exact tensor: BF16 as bfloat16, any
+        other type as float32 (F16 widened, other quantized types dequantized by `gguf`)."""
+        t = self._tensor(name)
+        if t.type not in BLOCK_TYPES or len(t.dims) != 2:
+            weight = self.read(name)
+            check_finite(weight, self.path, name)
+            return weight.bfloat16() if t.type == GGMLQuantizationType.BF16 else weight
+        block, type_size = gguf.GGML_QUANT_SIZES[t.type]
+        raw = self.data(t).reshape(t.dims[1], t.dims[0] // block, type_size)
+        scales = raw[..., :4 if t.type == GGMLQuantizationType.Q4_1 else 2].copy().view("<u2")
+        if ((scales & 0x7C00) == 0x7C00).any():
+            raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a scale that is inf or nan")
+        return t.type.value, self._hf_rows(name, torch.from_numpy(raw.reshape(t.dims[1], -1)))
+
+    def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The q/k rows llama.cpp's converter permuted put back in Hugging Face's order."""
         if ARCHITECTURES[self.arch][1] and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                           "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-            if shape[0] % (2 * heads):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has {shape[0]} rows, not pairs of rows "
+            if weight.shape[0] % (2 * heads):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has {weight.shape[0]} rows, not pairs of rows "
                                       f"for each of {heads} heads")
             weight = unpermute(weight, heads)
         return weight

@@ -26,9 +26,12 @@ import torch.nn.functional as F
 NAME = "lmstack_kernels"
 STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
-FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
+         "-mfma", "-fopenmp"]
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
-CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}  # what FLAGS let the compiler use
+# what FLAGS let the compiler use
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
 
 
 def cpu_flags() -> set[str]:
@@ -69,7 +72,7 @@ def available() -> bool:
         build = root / f"{NAME}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)
         remove_stale_lock(build / "lock")
-        cpp_extension.load(name=NAME, sources=[str(Path(__file__).with_name("kernels.cpp"))], extra_cflags=FLAGS,
+        cpp_extension.load(name=NAME, sources=[str(Path(__file__).with_name(s)) for s in SOURCES], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False)
     except Exception as error:  # no compiler or ninja, or an old PyTorch: PyTorch's operators still work
         warnings.warn(f"lmstack's CPU kernels could not be built, using PyTorch's operators: {error}", stacklevel=2)
@@ -144,3 +147,46 @@ def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int) -> 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
     return torch.ops.lmstack.silu_mul(gate_up)
+
+
+# ---- GGUF blocks as stored (kernels_gguf.cpp) ----------------------------------------------------
+
+# ggml type id -> (bytes of a 32-weight block, bytes before its quants: the float16 scale d and, for Q4_1,
+# the float16 offset m)
+GGUF_BLOCKS = {8: (34, 2), 2: (18, 2), 3: (20, 4)}  # Q8_0, Q4_0, Q4_1
+
+
+def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """(N, K / 32 * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / 32, record bytes):
+    for each TILE rows and 32-column block, the TILE scales, [the TILE offsets,] the TILE rows' quants
+    (padding rows are zeros)."""
+    block, head = GGUF_BLOCKS[qtype]
+    n = raw.shape[0]
+    blocks = F.pad(raw.reshape(n, -1, block), (0, 0, 0, 0, 0, -n % TILE))
+    tiled = blocks.view(-1, TILE, blocks.shape[1], block).transpose(1, 2)  # (tiles, K / 32, TILE, block)
+    fields = [tiled[..., i:i + 2] for i in range(0, head, 2)] + [tiled[..., head:]]
+    return torch.cat([f.reshape(*tiled.shape[:2], -1) for f in fields], dim=-1).contiguous()
+
+
+def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None):
+    """x @ w.T + bias for the n rows of pack_gguf's blocks: float32 x with each weight dequantized exactly,
+    bfloat16 x quantized per 32 columns to int8 with integer dot products (kernels_gguf.cpp)."""
+    return torch.ops.lmstack.gguf_matvec(x, packed, qtype, n, bias)
+
+
+def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None):
+    """Rows of pack_gguf's blocks (all n, or `rows`) as float32, bit-equal to gguf.quants.dequantize."""
+    if available():
+        return torch.ops.lmstack.gguf_dequantize(packed, qtype, n, k, rows)
+    block, head = GGUF_BLOCKS[qtype]
+    tiles, blocks = packed.shape[:2]
+    scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).permute(2, 0, 3, 1, 4)
+    scales = scales.contiguous().view(torch.float16).float().reshape(head // 2, -1, blocks, 1)  # (d[, m], rows, ..)
+    q = packed[..., head * TILE:].reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, blocks, -1)
+    if qtype == 8:
+        w = q.view(torch.int8).float() * scales[0]
+    else:
+        q = torch.cat((q & 15, q >> 4), dim=-1)
+        w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == 2 else scales[0] * q.float() + scales[1]
+    w = w.reshape(tiles * TILE, k)[:n]
+    return w if rows is None else w[rows]

@@ -3,6 +3,7 @@
 import ctypes
 import ctypes.util
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
@@ -20,7 +21,7 @@ from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
-from .formats import QUANTIZED, check_format, convert, head_projection, profile_of, resolve
+from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, head_projection, profile_of, resolve
 from .gguf import GGUFFile, is_gguf
 from . import lookup
 from .rope import Rotary
@@ -50,6 +51,29 @@ def release_freed_memory():
     """Hand freed heap pages back to the OS (glibc keeps them, so a load's transients would add up)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _as_stored(source: GGUFFile, name: str, k: int):
+    """A GGUF tensor as weight_format gguf keeps it: blocks, or an exact float32 or bfloat16 tensor."""
+    return _stored_parts(source, [name], k)[0]
+
+
+def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
+    """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one."""
+    stored = [source.stored(name) for name in names]
+    parts = []
+    for s in stored:
+        if isinstance(s, tuple) and parts and isinstance(parts[-1], tuple) and parts[-1][0] == s[0]:
+            parts[-1] = (s[0], torch.cat((parts[-1][1], s[1])))
+        else:
+            parts.append(s)
+    return [GGUFBlocks(s[1], s[0], k) if isinstance(s, tuple) else s for s in parts]
+
+
+def _gguf_bytes(source, name: str) -> int:
+    """The bytes a tensor takes under weight_format gguf: as stored, or as float32 where widened."""
+    info = source.info(name)
+    return source.nbytes(name) if info.dtype in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32") else 4 * math.prod(info.shape)
 
 
 def _parameter_rows(block: nn.Module, key: str, rows: slice | None) -> torch.Tensor:
@@ -273,29 +297,31 @@ class CausalLM:
         self.dtype = resolve(weight_format, numeric_profile)  # the arithmetic: activations, caches, embedding
         self.numeric_profile = profile_of(self.dtype)
         _check_max_positions(plan, max_positions)
-        check_format(weight_format, plan)
         # Where each block lives (ParallelCausalLM splits them; "meta": held by another pipeline process).
         # The embedding lives with the first block, the norm and head with the last.
         self.layer_devices = self._layer_devices(device, plan.n_layers)
-        if weight_format == "int4" and any(d.type not in ("cpu", "meta") for d in self.layer_devices):
-            raise ValueError("weight_format 'int4' runs on CPU only (PyTorch's packed int4 CPU kernel)")
+        check_format(weight_format, plan, self.layer_devices)
         with open_source() as source:
+            if weight_format == "gguf" and not isinstance(source, GGUFFile):
+                raise ValueError(f"weight_format 'gguf' keeps a GGUF file's tensors as stored: "
+                                 f"{source.path} is not a GGUF file")
             _check_tensors(plan, source)
             self.plan, self.config, self.eos_ids = plan, config, tuple(eos)  # eos_ids: where generation may stop
             self.weight_format, self.vocab_size = weight_format, plan.vocab_size
             self.device = next(d for d in self.layer_devices if d.type != "meta")
             self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
-            self._allocate()
+            self._allocate(source)
             self._fill(source, progress)
         release_freed_memory()  # what the source held (a GGUF file's parsed metadata), before the head's copy
-        if self.head.device.type != "meta":
+        if self.head is not None and self.head.device.type != "meta":
             self._store_head()
 
     def _layer_devices(self, device, n_layers: int) -> list[torch.device]:
         return [resolve_device(device)] * n_layers
 
-    def _allocate(self):
-        """Everything but the blocks' weights, which _fill allocates a layer at a time (blocks stay on meta)."""
+    def _allocate(self, source):
+        """Everything but the blocks' weights, which _fill allocates a layer at a time (blocks stay on meta), and,
+        under weight_format gguf, the embedding and head, which _fill_gguf makes from the file's tensors."""
         plan, dtype = self.plan, self.dtype
         with torch.device("meta"):
             # quantized formats are filled in float32 and quantized from that, a layer at a time
@@ -303,13 +329,16 @@ class CausalLM:
             self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
             self.norm = RMSNorm(plan.d_model, plan.norm_eps)
         self.blocks.requires_grad_(False)
-        self._check_memory()
+        self._check_memory(source)
         first, last = self.layer_devices[0], self.layer_devices[-1]
         # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
         self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
-        self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
         tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
-        self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
+        if self.weight_format == "gguf":
+            self.embed = self.head = None
+        else:
+            self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
+            self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
         self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
         self.rotary = None
         if plan.kind == "transformer":
@@ -318,47 +347,79 @@ class CausalLM:
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
 
-    def _check_memory(self):
+    def _check_memory(self, source):
         """Refuse, before allocating, weights larger than their devices can hold (counted as stored)."""
         stored = {"int8": 1, "int4": 0.5}.get(self.weight_format)
         need = Counter()
-        for block, device in zip(self.blocks, self.layer_devices):
-            need[device] += sum(p.numel() * (stored or p.element_size()) for p in block.parameters())
-        embed = self.plan.vocab_size * self.plan.d_model * self.dtype.itemsize
+        if self.weight_format == "gguf":  # as the file stores them, or float32 where widened
+            for i, device in enumerate(self.layer_devices):
+                need[device] += sum(_gguf_bytes(source, name) for _, name, _ in self.plan.layer_weights(i))
+            embed = _gguf_bytes(source, self.plan.embed_name)
+        else:
+            for block, device in zip(self.blocks, self.layer_devices):
+                need[device] += sum(p.numel() * (stored or p.element_size()) for p in block.parameters())
+            embed = self.plan.vocab_size * self.plan.d_model * self.dtype.itemsize
         need[self.layer_devices[0]] += embed
         if not self.plan.tie_embeddings or self.layer_devices[0] != self.layer_devices[-1]:
-            need[self.layer_devices[-1]] += embed
+            need[self.layer_devices[-1]] += _gguf_bytes(source, self.plan.head_name or self.plan.embed_name) \
+                if self.weight_format == "gguf" else embed
         for device, nbytes in need.items():
             memory.ensure(int(nbytes), device, f"{self.plan.model_type} weights as {self.weight_format}")
 
     def _targets(self):
         """(checkpoint name, layer or None, device, destination) for every tensor the plan reads; a layer's
         destinations are callables, resolved once _fill has allocated that layer."""
-        plan = self.plan
-        yield plan.embed_name, None, self.embed.device, lambda: self.embed
+        plan, gguf = self.plan, self.weight_format == "gguf"  # gguf: the embedding and head come from _fill_gguf
+        if not gguf:
+            yield plan.embed_name, None, self.embed.device, lambda: self.embed
         for i, block in enumerate(self.blocks):
             for key, name, rows in plan.layer_weights(i):
                 yield name, i, self.layer_devices[i], partial(_parameter_rows, block, key, rows)
         yield plan.norm_name, None, self.norm.weight.device, lambda: self.norm.weight
-        if plan.head_name or self.head is not self.embed:
+        if not gguf and (plan.head_name or self.head is not self.embed):
             yield plan.head_name or plan.embed_name, None, self.head.device, lambda: self.head
 
     def _fill(self, checkpoint: Checkpoint, progress=None):
         targets = list(self._targets())  # names and shapes checked by _check_tensors
-        self.unused_names = sorted(set(checkpoint.names()) - {name for name, *_ in targets})
+        self.unused_names = sorted(set(checkpoint.names()) - set(self.plan.weight_names()))
         targets = [t for t in targets if t[2].type != "meta"]  # meta: another process's share
+        as_stored = set()  # gguf: projection matrices _store_projections takes from the file as stored
+        if self.weight_format == "gguf":
+            as_stored = {name for i, block in enumerate(self.blocks) for key, name, _ in self.plan.layer_weights(i)
+                         if key.endswith(".weight") and key[:-len(".weight")] in getattr(block, "PROJECTIONS", ())}
         for done, (name, layer, device, dest) in enumerate(targets, 1):
             if layer is not None and (done == 1 or targets[done - 2][1] != layer):
                 self.blocks[layer].to_empty(device=device)  # a layer at a time: freed memory is reused
             dest = dest()
-            with torch.no_grad():
-                checkpoint.read_into(name, dest)
+            if name not in as_stored:
+                with torch.no_grad():
+                    checkpoint.read_into(name, dest)
             self._weights[name] = dest
             if layer is not None and (done == len(targets) or targets[done][1] != layer):
-                self._store_projections(layer)  # its dense copy never coexists with another layer's
+                self._store_projections(layer, checkpoint)  # its dense copy never coexists with another layer's
                 release_freed_memory()
             if progress:
                 progress(done, len(targets))
+        if self.weight_format == "gguf":
+            self._fill_gguf(checkpoint)
+
+    def _fill_gguf(self, source: GGUFFile):
+        """The embedding (its rows dequantized when looked up) and the head's projection from the file's tensors
+        as stored; a tied head multiplies the embedding's own blocks."""
+        plan, first, last = self.plan, self.layer_devices[0], self.layer_devices[-1]
+        tied_here = plan.tie_embeddings and last.type != "meta"
+        embed = _as_stored(source, plan.embed_name, plan.d_model) if first.type != "meta" or tied_here else None
+        if first.type != "meta":
+            self.embed = embed
+            if isinstance(embed, GGUFBlocks):
+                self._converted[plan.embed_name] = (embed, None, "weight")
+            else:
+                self._weights[plan.embed_name] = embed
+        if last.type != "meta":
+            head = embed if plan.tie_embeddings else _as_stored(source, plan.head_name, plan.d_model)
+            self.head_projection = GGUFLinear([head], None, self.dtype)
+            if plan.head_name:
+                self._converted[plan.head_name] = (self.head_projection, None, "weight")
 
     def _store_head(self):
         """The head's matmul in its fast form (formats.head_projection); an untied dense head is dropped."""
@@ -369,14 +430,21 @@ class CausalLM:
             self._weights.pop(name, None)
             self.head = None
 
-    def _store_projections(self, i: int):
-        """Re-store layer i's projection matrices in the weight format (formats.convert)."""
+    def _store_projections(self, i: int, source):
+        """Re-store layer i's projection matrices in the weight format (formats.convert), or, under gguf, make
+        them from the file's tensors as stored (their dense parameters were left unread)."""
         block = self.blocks[i]
         for path in getattr(block, "PROJECTIONS", ()):
             owner_path, attribute = path.rsplit(".", 1)
             owner = block.get_submodule(owner_path)
             linear = getattr(owner, attribute)
-            stored = convert(linear, self.weight_format, self.dtype)
+            if self.weight_format == "gguf":
+                parts = sorted((rows.start if rows else 0, name) for key, name, rows in self.plan.layer_weights(i)
+                               if key == f"{path}.weight")
+                stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features),
+                                    linear.bias, self.dtype)
+            else:
+                stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
                 continue
             if not all(bool(torch.isfinite(t).all()) for t in vars(stored).values()
@@ -461,7 +529,7 @@ class CausalLM:
         and the pool slot its keys and values go to; `pages` from allocate_pages. Returns float32 logits
         (len(rows), vocab) at the flat token indices `rows`.
         """
-        x = F.embedding(ids, self.embed)[None]
+        x = self._embed(ids)[None]
         cos, sin = self.rotary(positions[None], self.dtype)
         ctx = PagedContext(cos, sin, slots, tables, seqs, positions)
         for block, layer_pages in zip(self.blocks, pages):
@@ -620,7 +688,7 @@ class CausalLM:
              alone: bool = False) -> torch.Tensor:
         """The one path every entry point takes; ids are already checked. `alone` (under formats.row_invariant,
         where lookup.exact_verification allows it): each token gets the logits a one-token step would give it."""
-        x = F.embedding(ids.to(self.device), self.embed)
+        x = self._embed(ids.to(self.device))
         ctx = self._context(ids.shape, state, alone)
         for i, block in enumerate(self.blocks):
             if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
@@ -631,6 +699,12 @@ class CausalLM:
         if last_only:
             x = x[:, -1:]
         return self._logits(x)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for ids, in the model's dtype (under gguf, dequantized from the file's blocks)."""
+        if isinstance(self.embed, GGUFBlocks):
+            return self.embed.embedding(ids, self.dtype)
+        return F.embedding(ids, self.embed).to(self.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head, in the model's dtype."""

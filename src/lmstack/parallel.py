@@ -10,7 +10,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .model import CausalLM, resolve_device
 
@@ -194,7 +193,7 @@ class PipelineCausalLM(ParallelCausalLM):
                 raise ValueError("the pipeline keeps one decode state at a time: this one was replaced by a "
                                  "later allocate_state")
             B, L = ids.shape
-            x = self._stage(F.embedding(ids.to(self.device), self.embed), state, last_only)
+            x = self._stage(self._embed(ids.to(self.device)), state, last_only)
             if self.world_size == 1:
                 return x
             self._send_header(RUN, B, L, last_only, state, x)

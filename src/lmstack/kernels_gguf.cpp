@@ -1,0 +1,295 @@
+// GGUF's Q8_0, Q4_0 and Q4_1 blocks multiplied as stored (weight_format "gguf"; see formats.py).
+//
+// Each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0 d and
+// 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m); a nibble byte j
+// holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of TILE rows:
+// record (tile, block) = the TILE scales d, [the TILE offsets m,] the TILE rows' quants, so that each thread
+// reads one sequential stream, as matvec_int8 does.
+//
+// gguf_matvec computes in the activations' dtype:
+//   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
+//            multiply-add), then multiplied with x and summed in float32.
+//   bfloat16: llama.cpp's arithmetic: each 32-block of x quantized to int8 with a float32 scale, the
+//            block dot products summed in int32 (AVX512-VNNI), scaled and summed in float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 8;  // kernels.py's TILE
+constexpr int64_t TASK_WEIGHTS = 1 << 15;
+constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
+
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+// bytes of one (tile, block) record, and where its quants start
+constexpr int64_t record_bytes(int64_t type) {
+  return type == Q8_0 ? 16 + TILE * 32 : type == Q4_1 ? 32 + TILE * 16 : 16 + TILE * 16;
+}
+constexpr int64_t quants_at(int64_t type) { return type == Q4_1 ? 32 : 16; }
+constexpr int64_t quant_bytes(int64_t type) { return type == Q8_0 ? 32 : 16; }  // of one row's block
+
+inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// ---- float32 activations: weights dequantized exactly --------------------------------------------
+
+// the 16 weights of one row's block at quants q, half 0 (weights 0..15) or 1 (16..31), as float32
+template <int64_t T>
+inline __m512 dequant16(const uint8_t* q, int half, __m512 d, __m512 m) {
+  if constexpr (T == Q8_0) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * half)))), d);
+  } else {
+    __m128i v = _mm_loadu_si128((const __m128i*)q);
+    if (half) v = _mm_srli_epi16(v, 4);
+    __m512i n = _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F)));
+    if constexpr (T == Q4_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8))));
+    return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(n)), m);
+  }
+}
+
+// dot products of one float32 row x (KB * 32) with the TILE rows of one tile (KB records from rec)
+template <int64_t T>
+void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+  constexpr int64_t R = record_bytes(T), QA = quants_at(T);
+  __m512 even[TILE], odd[TILE];
+  for (int r = 0; r < TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    const __m512 d = _mm512_castps256_ps512(halves(rec));
+    const __m512 m = T == Q4_1 ? _mm512_castps256_ps512(halves(rec + 16)) : _mm512_setzero_ps();
+    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < TILE; r++) {
+      const uint8_t* q = rec + QA + r * quant_bytes(T);
+      const __m512i lane = _mm512_set1_epi32(r);
+      const __m512 dr = _mm512_permutexvar_ps(lane, d), mr = _mm512_permutexvar_ps(lane, m);
+      even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, dr, mr), x0, even[r]);
+      odd[r] = _mm512_fmadd_ps(dequant16<T>(q, 1, dr, mr), x1, odd[r]);
+    }
+  }
+  for (int r = 0; r < TILE; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+// ---- bfloat16 activations: x quantized per block to int8, integer dot products -----------------
+
+struct XBlocks {  // one row of x: KB blocks of 32 int8, their scales and sums
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+};
+
+// x's row quantized as llama.cpp's quantize_row_q8_0, with a float32 scale: q = round(x / d), d = amax / 127
+void quantize_row(const c10::BFloat16* x, int64_t KB, int8_t* q, float* d, int32_t* sum) {
+  for (int64_t b = 0; b < KB; b++) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32))), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32 + 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    d[b] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128((__m128i*)(q + b * 32), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128((__m128i*)(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+    sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+  }
+}
+
+// dot products of one quantized row of x with the TILE rows of one tile
+template <int64_t T>
+void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB, float* out) {
+  constexpr int64_t R = record_bytes(T), QA = quants_at(T);
+  alignas(64) float lanes[16];
+  if constexpr (T == Q8_0) {
+    // four registers of two rows each (lanes 8j..8j+7: row 2 * reg + j); w + 128 is unsigned
+    __m512 acc[4];
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i pair[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                             _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+                             _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
+                             _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xq + b * 32)));
+      const __m512i corr = _mm512_maskz_set1_epi32(0x0101, -128 * xs[b]);
+      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(halves(rec), _mm256_set1_ps(xd[b])));
+      for (int i = 0; i < 4; i++) {
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(rec + QA + i * 64), flip);
+        const __m512i dot = _mm512_dpbusd_epi32(corr, w, xv);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[i], scale), acc[i]);
+      }
+    }
+    for (int i = 0; i < 4; i++) {
+      _mm512_store_ps(lanes, acc[i]);
+      for (int j = 0; j < 2; j++) {
+        float s = 0;
+        for (int l = 0; l < 8; l++) s += lanes[8 * j + l];
+        out[2 * i + j] = s;
+      }
+    }
+  } else {
+    // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); low nibbles meet x[0..15], high x[16..31]
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 offsets = _mm256_setzero_ps();  // Q4_1: sum over blocks of m * d_x * sum(x_q)
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                             _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq + b * 32)));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq + b * 32 + 16)));
+      const __m512i corr = T == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, -8 * xs[b]) : _mm512_setzero_si512();
+      const __m256 xdb = _mm256_set1_ps(xd[b]);
+      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(halves(rec), xdb));
+      if constexpr (T == Q4_1)
+        offsets = _mm256_fmadd_ps(halves(rec + 16), _mm256_mul_ps(xdb, _mm256_set1_ps(float(xs[b]))), offsets);
+      for (int i = 0; i < 2; i++) {
+        const __m512i v = _mm512_loadu_si512(rec + QA + i * 64);
+        __m512i dot = _mm512_dpbusd_epi32(corr, _mm512_and_si512(v, nib), xlo);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), xhi);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[i], scale), acc[i]);
+      }
+    }
+    alignas(32) float offs[TILE];
+    _mm256_store_ps(offs, offsets);
+    for (int i = 0; i < 2; i++) {
+      _mm512_store_ps(lanes, acc[i]);
+      for (int j = 0; j < 4; j++) {
+        float s = 0;
+        for (int l = 0; l < 4; l++) s += lanes[4 * j + l];
+        out[4 * i + j] = s + offs[4 * i + j];
+      }
+    }
+  }
+}
+
+template <typename F>
+void with_gguf_type(int64_t type, const F& f) {
+  if (type == Q8_0) return f.template operator()<Q8_0>();
+  if (type == Q4_0) return f.template operator()<Q4_0>();
+  TORCH_CHECK(type == Q4_1, "gguf kernels: type ", type, " has no kernel (Q8_0, Q4_0, Q4_1 have)");
+  return f.template operator()<Q4_1>();
+}
+
+void check_packed(const at::Tensor& w, int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() && w.dim() == 3,
+              "gguf kernels: w must be a contiguous 3-D uint8 CPU tensor");
+  TORCH_CHECK(K % 32 == 0 && w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K / 32 &&
+                  w.size(2) == record_bytes(type),
+              "gguf kernels: w must be packed as (", (N + TILE - 1) / TILE, ", ", K / 32, ", ", record_bytes(type),
+              "), got ", w.sizes());
+}
+
+// y = x @ w.T + bias for packed GGUF blocks w of `type` (N rows, K = x.size(-1) columns); x float32 or bfloat16,
+// bias and y in x's dtype
+at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "gguf_matvec: x must be a CPU tensor");
+  const int64_t K = x.size(-1), KB = K / 32, M = K ? x.numel() / K : 0;
+  check_packed(w, type, N, K);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "gguf_matvec: x must be float32 or bfloat16");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N &&
+                    bias->scalar_type() == x.scalar_type(),
+                "gguf_matvec: bias must be a contiguous vector of ", N, " ", x.scalar_type());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  XBlocks xb;
+  if (!f32) {
+    xb.q.resize(M * K), xb.d.resize(M * KB), xb.sum.resize(M * KB);
+    const auto* xp = static_cast<const c10::BFloat16*>(x.data_ptr());
+    for (int64_t m = 0; m < M; m++)
+      quantize_row(xp + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
+  }
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const int64_t R = record_bytes(type), tiles = (N + TILE - 1) / TILE;
+  with_gguf_type(type, [&]<int64_t T>() {
+    at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1))),
+                     [&](int64_t t0, int64_t t1) {
+      float sums[TILE];
+      for (int64_t t = t0; t < t1; t++) {
+        const uint8_t* rec = wp + t * KB * R;
+        const int64_t n = t * TILE, rows = std::min(TILE, N - n);
+        for (int64_t m = 0; m < M; m++) {
+          if (f32)
+            dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + m * K, rec, KB, sums);
+          else
+            dot_q8_tile<T>(xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB, rec, KB, sums);
+          if (f32) {
+            float* yp = static_cast<float*>(y.data_ptr()) + m * N + n;
+            const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) + n : nullptr;
+            for (int64_t r = 0; r < rows; r++) yp[r] = bp ? sums[r] + bp[r] : sums[r];
+          } else {
+            auto* yp = static_cast<c10::BFloat16*>(y.data_ptr()) + m * N + n;
+            const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) + n : nullptr;
+            for (int64_t r = 0; r < rows; r++) yp[r] = c10::BFloat16(bp ? sums[r] + float(bp[r]) : sums[r]);
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// Rows `rows` (int64, any shape; None: every row) of packed blocks w dequantized to float32, exactly as
+// gguf.quants.dequantize gives them: shape rows.shape + (K,)
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t K,
+                           const std::optional<at::Tensor>& rows_) {
+  check_packed(w, type, N, K);
+  at::Tensor rows;
+  std::vector<int64_t> shape;
+  if (rows_.has_value()) {
+    rows = rows_->contiguous();
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.device().is_cpu(), "gguf_dequantize: rows must be int64");
+    shape.assign(rows.sizes().begin(), rows.sizes().end());
+  } else {
+    shape.push_back(N);
+  }
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, w.options().dtype(at::kFloat));
+  const int64_t count = out.numel() / std::max<int64_t>(K, 1), KB = K / 32, R = record_bytes(type);
+  const int64_t* rp = rows_.has_value() ? rows.data_ptr<int64_t>() : nullptr;
+  if (rp)
+    for (int64_t i = 0; i < count; i++) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "gguf_dequantize: row ", rp[i], " of ", N);
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  with_gguf_type(type, [&]<int64_t T>() {
+    const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
+    at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t n = rp ? rp[i] : i, r = n % TILE;
+        const uint8_t* rec = wp + (n / TILE) * KB * R;
+        for (int64_t b = 0; b < KB; b++, rec += R) {
+          alignas(32) float d[TILE], m[TILE] = {};
+          _mm256_store_ps(d, halves(rec));
+          if constexpr (T == Q4_1) _mm256_store_ps(m, halves(rec + 16));
+          const uint8_t* q = rec + quants_at(T) + r * quant_bytes(T);
+          const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
+          _mm512_storeu_ps(op + i * K + b * 32, dequant16<T>(q, 0, dr, mr));
+          _mm512_storeu_ps(op + i * K + b * 32 + 16, dequant16<T>(q, 1, dr, mr));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmstack, m) {
+  m.def("gguf_matvec(Tensor x, Tensor w, int type, int n, Tensor? bias) -> Tensor", gguf_matvec);
+  m.def("gguf_dequantize(Tensor w, int type, int n, int k, Tensor? rows) -> Tensor", gguf_dequantize);
+}
