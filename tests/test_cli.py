@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmstack import cli
+from lmstack import cli, models
 from lmstack.models import smollm2
 from test_gguf import write_gguf
 
@@ -45,6 +45,15 @@ def test_generate_streams_a_continuation_and_reads_stdin_alike(default_model):
     assert code == 0, err
     assert piped == out
     assert "tokens/s" in err and "loaded in" in err
+    assert "weight_format=gguf, numeric_profile=fp32" in err  # the file's own blocks, the specification's arithmetic
+
+
+def test_default_weight_format_is_the_checkpoints_own_storage(tiny_checkpoint, tiny_gguf):
+    assert models.native_format(tiny_checkpoint("llama")[0], "cpu") == "float32"
+    assert models.native_format(tiny_checkpoint("llama_bf16")[0], "cpu") == "bfloat16"
+    assert models.native_format(tiny_gguf, "cpu") == "gguf"
+    code, out, err = lmstack("generate", "ab", "-n", "2", "-v", "--model", str(tiny_gguf), "--weight-format", "int8")
+    assert code == 0 and "weight_format=int8" in err, err
 
 
 def test_info_reports_family_sizes_and_bytes_within_80_columns(default_model):

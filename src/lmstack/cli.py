@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def weight_options(p):
-        p.add_argument("--weight-format", default="float32", choices=sorted(WEIGHT_FORMATS))
+        p.add_argument("--weight-format", default=None, choices=sorted(WEIGHT_FORMATS),
+                       help="how matrices are stored (default: the checkpoint's own: gguf for a GGUF file on CPU, "
+                       "bfloat16 for BF16 safetensors, else float32)")
         p.add_argument("--numeric-profile", default=None, choices=sorted(NUMERIC_PROFILES),
                        help="the arithmetic (default: fp32 for every format; bf16: faster, see formats.py)")
         p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
@@ -188,6 +190,8 @@ def _load(args):
         Sampler(**_sampling(args))  # refuse bad sampling flags before the load
     start = time.perf_counter()
     model_class = PipelineCausalLM if getattr(args, "pipeline", False) else CausalLM
+    if args.weight_format is None:
+        args.weight_format = models.native_format(models.resolve(args.model), args.device)
     lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile,
                                 device=args.device, progress=_Progress(args.quiet, "loading"),
                                 model_class=model_class)
@@ -265,7 +269,7 @@ def _perplexity(args):
     window = args.window if lm.max_positions is None else min(args.window, lm.max_positions)
     result = perplexity(lm, [ids], window=window, stride=args.stride, progress=_Progress(args.quiet, "scoring"))
     print(f"perplexity {result.perplexity:.4f} over {result.tokens} tokens "
-          f"(window {window}, stride {args.stride or window // 2}, {args.weight_format})")
+          f"(window {window}, stride {args.stride or window // 2}, {lm.weight_format})")
 
 
 def _chat(args):

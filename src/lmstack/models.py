@@ -3,8 +3,9 @@
 import importlib.util
 from pathlib import Path
 
+from .checkpoint import Checkpoint
 from .gguf import GGUFFile, is_gguf
-from .model import CausalLM
+from .model import CausalLM, resolve_device
 from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT = "smollm2"
@@ -35,6 +36,18 @@ def resolve(model: str | None) -> Path:
         raise FileNotFoundError(f"{model}: no such checkpoint directory or file, and not a model name "
                                 f"(names: {', '.join(NAMES)})")
     return path
+
+
+def native_format(path: Path, device="auto") -> str:
+    """The CLI's default weight format: the checkpoint's own storage where that is fast and faithful. A GGUF runs as
+    stored ("gguf", on CPU; elsewhere bfloat16 if its matrices are all BF16), a checkpoint whose matrices are all
+    BF16 as bfloat16, anything else (float32, float16: widened exactly) as float32."""
+    gguf = is_gguf(path)
+    if gguf and resolve_device(device).type == "cpu":
+        return "gguf"
+    with (GGUFFile(path) if gguf else Checkpoint.open(path)) as source:
+        matrices = {info.dtype for info in map(source.info, source.names()) if len(info.shape) == 2}
+    return "bfloat16" if matrices == {"BF16"} else "float32"
 
 
 def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
