@@ -280,14 +280,17 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CP
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_kernel_matches_the_reference(dtype, window):
+@pytest.mark.parametrize("window", [None, 5, 300])
+@pytest.mark.parametrize("size, longest", [(4, 20), (16, 700)])
+def test_paged_attention_kernel_matches_the_reference(dtype, window, size, longest):
+    """700 positions span several chunks of keys, merged; a token alone gets the numbers it gets in the batch."""
     g = torch.Generator().manual_seed(12)
-    n_blocks, KV, size, D, H = 12, 2, 4, 24, 6
+    KV, D, H = 2, 24, 6
+    n_blocks = 2 * -(-longest // size) + 2
     pages = PagedKV(*(torch.randn(n_blocks, KV, size, D, generator=g).to(dtype) for _ in range(2)))
-    tables = torch.randperm(n_blocks, generator=g)[:10].view(2, 5)
+    tables = torch.randperm(n_blocks, generator=g)[:n_blocks - 2].view(2, -1)
     seqs = torch.tensor([0] * 7 + [1] * 3)
-    positions = torch.tensor([*range(7), 3, 11, 19])
+    positions = torch.tensor([*range(7), 3, longest // 2 + 1, longest - 1])
     q = torch.randn(10, H, D, generator=g).to(dtype)
     ctx = PagedContext(None, None, None, tables, seqs, positions)
     kernel = kernels.paged_attention(q, pages.k, pages.v, tables, seqs, positions, window or 0)

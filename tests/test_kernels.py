@@ -142,9 +142,11 @@ def test_rope_into_cache_equals_rotary_and_cache_writes(head_dim, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, length", [(6, 2, 64, 1), (6, 2, 24, 17), (4, 4, 32, 40),
-                                                               (3, 1, 64, 200)])
+                                                               (3, 1, 64, 200), (9, 3, 64, 1000), (8, 1, 80, 600)])
 def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length, dtype):
-    B, T = 2, 210
+    """Long contexts are split into chunks of keys whose partial softmaxes are merged: 600 and 1000 keys take
+    several, and eight q heads sharing one kv head take two passes."""
+    B, T = 2, length + 10
     q = randn(B, 1, heads, head_dim, dtype=dtype)
     k_cache, v_cache = randn(B, kv_heads, T, head_dim, dtype=dtype) * 2, randn(B, kv_heads, T, head_dim, dtype=dtype)
     k, v = k_cache[:, :, :length].double(), v_cache[:, :, :length].double()
@@ -152,6 +154,20 @@ def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length, dtype):
     out = kernels.decode_attention(q, k_cache, v_cache, length)
     assert out.shape == (B, 1, heads * head_dim) and out.dtype == dtype
     assert_rounded_once(out, exact.transpose(1, 2).reshape(B, 1, -1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_does_not_depend_on_the_thread_count(dtype):
+    q, k_cache, v_cache = randn(2, 1, 9, 64, dtype=dtype), randn(2, 3, 1100, 64, dtype=dtype), randn(2, 3, 1100, 64,
+                                                                                                   dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.decode_attention(q, k_cache, v_cache, 1030)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, 1030), alone)
 
 
 @needs_kernels

@@ -566,37 +566,196 @@ inline __m512d exp_pd(__m512d x) {
   return _mm512_scalef_pd(p, n);
 }
 
-// q . k for a float32 q and a k of length D
-template <typename T>
-inline float dot_q_k(const float* q, const T* k, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(load(q + d, first(D - d)), load(k + d, first(D - d)), acc);
-  return _mm512_reduce_add_ps(acc);
-}
+// Attention of one query per (row, q head) splits each kv head's keys into CHUNK-key chunks at fixed positions
+// (multiples of CHUNK): a task computes, for the q heads of one GQA group together, each head's partial softmax
+// over one chunk (max m, sum l of e^(score - m), sum o of e^(score - m) v), reading each key and value once for
+// the whole group; the partials are then merged in chunk order. Long contexts so spread over every thread,
+// and a result depends only on its query, its keys and CHUNK: never on the thread count or on the batch.
+constexpr int64_t CHUNK = 256;  // keys per partial softmax
+constexpr int64_t HEADS = 4;    // q heads of a group that share one pass over the keys (their sums fill registers)
 
-// scores[0..4) = q . k[j] for four keys k[j] = k + j * D: one reduction for the four
-template <typename T>
-inline void dot_q_4k(const float* q, const T* k, int64_t D, float* scores) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = first(D - d);
-    const __m512 qv = load(q + d, m);
-    for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qv, load(k + j * D + d, m), acc[j]);
-  }
-  _mm_storeu_ps(scores, sum4(acc));
-}
-
-// out[0..D) = sum over s of p[s] * v[s], D in blocks of 64 held in registers
-template <typename T>
-inline void weighted_sum(const float* p, const T* v, int64_t length, int64_t D, float* out) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t s = 0; s < length; s++) {
-      const __m512 ps = _mm512_set1_ps(p[s]);
-      for (int c = 0; c < 4; c++)
-        acc[c] = _mm512_fmadd_ps(ps, load(v + s * D + d0 + 16 * c, first(D - d0 - 16 * c)), acc[c]);
+// scores[g][0..n) = (q_g . k[i]) * scale for G q heads: bfloat16 q and k multiplied exactly and summed in float32
+// (dpbf16), float32 ones with float32 FMAs on the pre-scaled qs; four keys at a time, one reduction for four
+template <int G, typename E>
+void chunk_scores(const E* q, const float* qs, float scale, int64_t D, const E* const* k, int64_t n,
+                  float (*scores)[CHUNK]) {
+  constexpr bool BF16 = std::is_same_v<E, c10::BFloat16>;
+  constexpr int64_t STEP = BF16 ? 32 : 16;  // lanes of D per vector
+  const auto dot = [&]<int J>(int64_t s) {
+    __m512 acc[G][J];
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < J; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += STEP) {
+      if constexpr (BF16) {
+        const __mmask32 m = D - d >= 32 ? ~0u : (__mmask32)((1u << (D - d)) - 1);
+        __m512bh kv[J];
+        for (int j = 0; j < J; j++) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, k[s + j] + d);
+        for (int g = 0; g < G; g++) {
+          const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * D + d);
+          for (int j = 0; j < J; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv, kv[j]);
+        }
+      } else {
+        const __mmask16 m = first(D - d);
+        __m512 kv[J];
+        for (int j = 0; j < J; j++) kv[j] = load(k[s + j] + d, m);
+        for (int g = 0; g < G; g++) {
+          const __m512 qv = load(qs + g * D + d, m);
+          for (int j = 0; j < J; j++) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
+        }
+      }
     }
-    for (int c = 0; c < 4; c++) store(out + d0 + 16 * c, first(D - d0 - 16 * c), acc[c]);
+    for (int g = 0; g < G; g++) {
+      if constexpr (J == 4) {
+        __m128 sums = sum4(acc[g]);
+        if constexpr (BF16) sums = _mm_mul_ps(sums, _mm_set1_ps(scale));
+        _mm_storeu_ps(scores[g] + s, sums);
+      } else {
+        scores[g][s] = _mm512_reduce_add_ps(acc[g][0]) * (BF16 ? scale : 1.0f);
+      }
+    }
+  };
+  int64_t s = 0;
+  for (; s + 4 <= n; s += 4) dot.template operator()<4>(s);
+  for (; s < n; s++) dot.template operator()<1>(s);
+}
+
+// out[g][0..D) = sum over i of p[g][i] * v[i] for G heads, 64 of D at a time held in registers. bfloat16 v is
+// widened by shifts: a 32-bit lane's low half becomes an even d, its high half the odd d after it.
+template <int G, typename E>
+void chunk_values(const float (*p)[CHUNK], int64_t D, const E* const* v, int64_t n, float* out, int64_t stride) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s++) {
+      __m512 vv[4];
+      if constexpr (std::is_same_v<E, c10::BFloat16>) {
+        for (int h = 0; h < 2; h++) {
+          const int64_t left = D - d0 - 32 * h;
+          const __mmask32 m = left >= 32 ? ~0u : left <= 0 ? 0u : (__mmask32)((1u << left) - 1);
+          const __m512i x = _mm512_maskz_loadu_epi16(m, v[s] + d0 + 32 * h);
+          vv[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          vv[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xffff0000)));
+        }
+      } else {
+        for (int c = 0; c < 4; c++) vv[c] = load(v[s] + d0 + 16 * c, first(D - d0 - 16 * c));
+      }
+      for (int g = 0; g < G; g++) {
+        const __m512 w = _mm512_set1_ps(p[g][s]);
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      float* o = out + g * stride + d0;
+      if constexpr (std::is_same_v<E, c10::BFloat16>) {  // even and odd d back in order
+        const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+        for (int h = 0; h < 2; h++) {
+          store(o + 32 * h, first(D - d0 - 32 * h), _mm512_permutex2var_ps(acc[g][2 * h], low, acc[g][2 * h + 1]));
+          store(o + 32 * h + 16, first(D - d0 - 32 * h - 16),
+                _mm512_permutex2var_ps(acc[g][2 * h], high, acc[g][2 * h + 1]));
+        }
+      } else {
+        for (int c = 0; c < 4; c++) store(o + 16 * c, first(D - d0 - 16 * c), acc[g][c]);
+      }
+    }
+  }
+}
+
+// the partial softmax of G q heads over n keys and values at k[i], v[i] (q: raw rows of D; qs: the same
+// times scale, in float32): writes m[g * stride], l[g * stride] and o[g * stride + 2 .. + 2 + D) for g < G
+template <int G, typename E>
+void attend_chunk(const E* q, const float* qs, float scale, int64_t D, const E* const* k, const E* const* v,
+                  int64_t n, float* part, int64_t stride) {
+  float scores[G][CHUNK];
+  chunk_scores<G>(q, qs, scale, D, k, n, scores);
+  for (int g = 0; g < G; g++) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < n; s += 16)
+      top = _mm512_mask_max_ps(top, first(n - s), top, _mm512_loadu_ps(scores[g] + s));
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s += 16) {
+      const __mmask16 m = first(n - s);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores[g] + s), most)));
+      _mm512_mask_storeu_ps(scores[g] + s, m, e);
+      sums = _mm512_add_ps(sums, e);
+    }
+    part[g * stride] = _mm512_cvtss_f32(most);
+    part[g * stride + 1] = _mm512_reduce_add_ps(sums);
+  }
+  chunk_values<G>(scores, D, v, n, part + 2, stride);
+}
+
+// Attention for P (query, kv head) pairs of `group` q heads each: pair p's q heads are rows p * group.. of q
+// (D wide), its output rows the same of y; it attends over keys span(p) = [lo, hi), whose k and v rows
+// rows(p, s, n, k, v) points to (keys s..s+n-1, all in one chunk).
+template <typename E, typename Span, typename Rows>
+void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& span, const Rows& rows) {
+  const int64_t stride = D + 2, WAVE = 1 << 20;  // floats of partials held at once
+  const float scale = 1.0f / std::sqrt(float(D));
+  for (int64_t p0 = 0; p0 < P;) {  // pairs in waves, so that their partials stay a few MB
+    std::vector<int64_t> start{0};  // pair p0 + i's chunks are start[i]..start[i + 1]-1
+    int64_t keys = 0, p1 = p0;
+    for (; p1 < P && (p1 == p0 || start.back() * group * stride < WAVE); p1++) {
+      const auto [lo, hi] = span(p1);
+      start.push_back(start.back() + (hi - 1) / CHUNK - lo / CHUNK + 1);
+      keys += hi - lo;
+    }
+    const int64_t n = start.back();
+    std::vector<float> parts(n * group * stride);
+    // a short context is done faster by one thread than split
+    const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / 2 * n / std::max<int64_t>(1, keys * D * group));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> query(group * D);  // float32 q times scale (bfloat16 q is scaled after its dot products)
+      const E *k[CHUNK], *v[CHUNK];
+      int64_t p = -1;
+      for (int64_t i = begin; i < end; i++) {
+        if (p < 0 || i >= start[p - p0 + 1]) {
+          p = p0 + (std::upper_bound(start.begin(), start.end(), i) - start.begin()) - 1;
+          if constexpr (std::is_same_v<E, float>)
+            for (int64_t j = 0; j < group * D; j++) query[j] = q[p * group * D + j] * scale;
+        }
+        const auto [lo, hi] = span(p);
+        const int64_t c = lo / CHUNK + i - start[p - p0], s0 = std::max(lo, c * CHUNK);
+        const int64_t len = std::min(hi, (c + 1) * CHUNK) - s0;
+        rows(p, s0, len, k, v);
+        float* part = parts.data() + i * group * stride;
+        for (int64_t g = 0; g < group; g += HEADS) {
+          const E* qe = q + (p * group + g) * D;
+          const float* qs = query.data() + g * D;
+          float* out = part + g * stride;
+          switch (std::min(HEADS, group - g)) {
+            case 1: attend_chunk<1>(qe, qs, scale, D, k, v, len, out, stride); break;
+            case 2: attend_chunk<2>(qe, qs, scale, D, k, v, len, out, stride); break;
+            case 3: attend_chunk<3>(qe, qs, scale, D, k, v, len, out, stride); break;
+            default: attend_chunk<4>(qe, qs, scale, D, k, v, len, out, stride);
+          }
+        }
+      }
+    });
+    // merge each head's partials in chunk order: weights e^(m_c - max m)
+    at::parallel_for(0, (p1 - p0) * group, std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(1, n * D)),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> out(D);
+      for (int64_t ph = begin; ph < end; ph++) {
+        const int64_t i = ph / group, h = ph % group;
+        const float* first_part = parts.data() + (start[i] * group + h) * stride;
+        const int64_t count = start[i + 1] - start[i], step = group * stride;
+        float most = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < count; c++) most = std::max(most, first_part[c * step]);
+        std::fill(out.begin(), out.end(), 0.0f);
+        for (int64_t c = 0; c < count; c++) {
+          const float* part = first_part + c * step;
+          const float w = count == 1 ? 1.0f : std::exp(part[0] - most);
+          total += w * part[1];
+          for (int64_t d = 0; d < D; d++) out[d] += w * part[2 + d];
+        }
+        E* row = y + ((p0 + i) * group + h) * D;
+        for (int64_t d = 0; d < D; d++) row[d] = E(out[d] / total);
+      }
+    });
+    p0 = p1;
   }
 }
 
@@ -612,38 +771,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "decode_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes());
   TORCH_CHECK(length > 0 && length <= T, "decode_attention: length ", length, " outside a cache of ", T);
   at::Tensor y = at::empty({B, 1, H * D}, q.options());
-  const int64_t group = H / KV;
-  const float scale = 1.0f / std::sqrt(float(D));
   with_type(q, "decode_attention: q", [&]<typename E>() {
-    const E *qp = static_cast<const E*>(q.data_ptr()), *kc = static_cast<const E*>(k_cache.data_ptr());
-    const E* vc = static_cast<const E*>(v_cache.data_ptr());
-    E* yp = static_cast<E*>(y.data_ptr());
-    // a short context is done faster by one thread than split
-    at::parallel_for(0, B * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (length * D)), [&](int64_t begin, int64_t end) {
-      std::vector<float> query(D), out(D + 64), scores(length + 16);
-      for (int64_t bh = begin; bh < end; bh++) {
-        const int64_t kv = (bh / H) * KV + (bh % H) / group;
-        const E *keys = kc + kv * T * D, *values = vc + kv * T * D;
-        for (int64_t d = 0; d < D; d++) query[d] = float(qp[bh * D + d]) * scale;
-        int64_t s = 0;
-        for (; s + 4 <= length; s += 4) dot_q_4k(query.data(), keys + s * D, D, scores.data() + s);
-        for (; s < length; s++) scores[s] = dot_q_k(query.data(), keys + s * D, D);
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (s = 0; s < length; s += 16)
-          top = _mm512_mask_max_ps(top, first(length - s), top, _mm512_loadu_ps(scores.data() + s));
-        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 sums = _mm512_setzero_ps();
-        for (s = 0; s < length; s += 16) {
-          const __m512 p =
-              _mm512_maskz_mov_ps(first(length - s), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), most)));
-          _mm512_storeu_ps(scores.data() + s, p);
-          sums = _mm512_add_ps(sums, p);
-        }
-        weighted_sum(scores.data(), values, length, D, out.data());
-        const float total = _mm512_reduce_add_ps(sums);
-        for (int64_t d = 0; d < D; d++) yp[bh * D + d] = E(out[d] / total);
-      }
-    });
+    const E *kc = static_cast<const E*>(k_cache.data_ptr()), *vc = static_cast<const E*>(v_cache.data_ptr());
+    const auto span = [&](int64_t) { return std::pair<int64_t, int64_t>(0, length); };
+    const auto rows = [&](int64_t p, int64_t s, int64_t n, const E** k, const E** v) {
+      for (int64_t i = 0; i < n; i++) k[i] = kc + (p * T + s + i) * D, v[i] = vc + (p * T + s + i) * D;
+    };
+    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), B * KV, H / KV, D, span, rows);
   });
   return y;
 }
@@ -651,8 +785,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Tokens of many sequences, each reading its own keys through a block table: token t, of sequence seqs[t] at
 // position positions[t] = p, attends with each q head to its kv head's keys at positions max(0, p - window + 1)..p
 // (window 0: from 0). Pools (n_blocks, KV, block_size, D); tables (S, max_blocks) int64; q (T, H, D) -> (T, H * D).
-// Each (token, head) is computed alone, in an order set by its position and the block size only: the same
-// numbers whatever else is in the batch, decode or prefill.
+// A token's numbers depend on its position, window and keys only: the same whatever else is in the batch.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& seqs, const at::Tensor& positions,
                            int64_t window) {
@@ -668,62 +801,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
               "paged_attention: q ", q.sizes(), " does not fit pools ", k_pool.sizes());
   TORCH_CHECK(seqs.size(0) == T && positions.size(0) == T, "paged_attention: seqs and positions need ", T, " entries");
   const int64_t *tp = tables.data_ptr<int64_t>(), *sp = seqs.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
-  int64_t longest = 1;
-  for (int64_t t = 0; t < T; t++) {
+  for (int64_t t = 0; t < T; t++)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S && pp[t] >= 0 && pp[t] < width * size, "paged_attention: token ", t,
                 " (sequence ", sp[t], ", position ", pp[t], ") outside tables ", tables.sizes());
-    longest = std::max(longest, pp[t] + 1);
-  }
   for (int64_t i = 0; i < S * width; i++)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < n_blocks, "paged_attention: block ", tp[i], " outside a pool of ", n_blocks);
   at::Tensor y = at::empty({T, H * D}, q.options());
-  const int64_t group = H / KV;
-  const float scale = 1.0f / std::sqrt(float(D));
   with_type(q, "paged_attention: q", [&]<typename E>() {
-    const E *qp = static_cast<const E*>(q.data_ptr()), *kc = static_cast<const E*>(k_pool.data_ptr());
-    const E* vc = static_cast<const E*>(v_pool.data_ptr());
-    E* yp = static_cast<E*>(y.data_ptr());
-    at::parallel_for(0, T * H, std::max<int64_t>(1, TASK_WEIGHTS / 2 / (longest * D)), [&](int64_t begin, int64_t end) {
-      std::vector<float> query(D), out(D + 64), scores(longest + 16);
-      for (int64_t th = begin; th < end; th++) {
-        const int64_t t = th / H, g = (th % H) / group, p = pp[t];
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, length = p + 1 - lo;
-        const int64_t* table = tp + sp[t] * width;
-        auto row = [&](const E* pool, int64_t s) { return pool + ((table[s / size] * KV + g) * size + s % size) * D; };
-        for (int64_t d = 0; d < D; d++) query[d] = float(qp[th * D + d]) * scale;
-        for (int64_t s = lo; s <= p;) {
-          if (s % size + 4 <= size && s + 3 <= p) {  // four keys in a row of one block
-            dot_q_4k(query.data(), row(kc, s), D, scores.data() + s - lo);
-            s += 4;
-          } else {
-            scores[s - lo] = dot_q_k(query.data(), row(kc, s), D);
-            s += 1;
-          }
-        }
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t s = 0; s < length; s += 16)
-          top = _mm512_mask_max_ps(top, first(length - s), top, _mm512_loadu_ps(scores.data() + s));
-        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 sums = _mm512_setzero_ps();
-        for (int64_t s = 0; s < length; s += 16) {
-          const __m512 e =
-              _mm512_maskz_mov_ps(first(length - s), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + s), most)));
-          _mm512_storeu_ps(scores.data() + s, e);
-          sums = _mm512_add_ps(sums, e);
-        }
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {  // the weighted sum of values, 64 of D held in registers
-          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          for (int64_t s = lo; s <= p; s++) {
-            const __m512 w = _mm512_set1_ps(scores[s - lo]);
-            const E* v = row(vc, s) + d0;
-            for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(w, load(v + 16 * c, first(D - d0 - 16 * c)), acc[c]);
-          }
-          for (int c = 0; c < 4; c++) store(out.data() + d0 + 16 * c, first(D - d0 - 16 * c), acc[c]);
-        }
-        const float total = _mm512_reduce_add_ps(sums);
-        for (int64_t d = 0; d < D; d++) yp[th * D + d] = E(out[d] / total);
+    const E *kc = static_cast<const E*>(k_pool.data_ptr()), *vc = static_cast<const E*>(v_pool.data_ptr());
+    const auto span = [&](int64_t p) {  // pair p: token p / KV, kv head p % KV
+      const int64_t at = pp[p / KV];
+      return std::pair<int64_t, int64_t>(window > 0 ? std::max<int64_t>(0, at - window + 1) : 0, at + 1);
+    };
+    const auto rows = [&](int64_t p, int64_t s, int64_t n, const E** k, const E** v) {
+      const int64_t* table = tp + sp[p / KV] * width;
+      for (int64_t i = 0, block = s / size, offset = s % size; i < n; i++) {
+        const int64_t at = ((table[block] * KV + p % KV) * size + offset) * D;
+        k[i] = kc + at, v[i] = vc + at;
+        if (++offset == size) block++, offset = 0;
       }
-    });
+    };
+    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), T * KV, H / KV, D, span, rows);
   });
   return y;
 }
