@@ -26,6 +26,7 @@ from .gguf import GGUFFile, is_gguf
 from . import lookup
 from .rope import Rotary
 from .sampling import Sampler
+from .threads import Threads
 
 RECURRENT_BLOCKS = {"mamba1": Mamba1Block, "mamba2": Mamba2Block}
 
@@ -671,17 +672,24 @@ class CausalLM:
             seen.scatter_(1, torch.where(real, ids, ids[:, -1:]), True)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         logits = self._run(ids, state, last_only=True)
-        for i in range(max_new_tokens):
-            tokens = sampler(logits[:, -1], seen, generator).to(self.device).masked_fill(done, -1)
-            if seen is not None:
-                seen[~done, tokens[~done]] = True
-            done |= torch.isin(tokens, eos)
-            if until is not None:
-                done |= until(tokens)
-            yield tokens
-            if done.all() or i + 1 == max_new_tokens:
-                return
-            logits = self._run(tokens.clamp(min=0)[:, None], state, last_only=True)
+        threads = Threads() if self.device.type == "cpu" else None
+        try:
+            for i in range(max_new_tokens):
+                tokens = sampler(logits[:, -1], seen, generator).to(self.device).masked_fill(done, -1)
+                if seen is not None:
+                    seen[~done, tokens[~done]] = True
+                done |= torch.isin(tokens, eos)
+                if until is not None:
+                    done |= until(tokens)
+                yield tokens
+                if done.all() or i + 1 == max_new_tokens:
+                    return
+                if threads is not None:
+                    threads.adapt()
+                logits = self._run(tokens.clamp(min=0)[:, None], state, last_only=True)
+        finally:
+            if threads is not None:
+                threads.restore()
 
     @torch.no_grad()
     def _run(self, ids: torch.Tensor, state: CausalLMState | None, last_only: bool = False,

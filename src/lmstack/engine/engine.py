@@ -10,6 +10,7 @@ import torch
 
 from .. import memory
 from ..sampling import Sampler, TextStream
+from ..threads import Threads
 from .kv_cache import BlockPool
 from .runner import Runner
 from .scheduler import Scheduler, Seq
@@ -284,12 +285,15 @@ class Engine:
         self.close()
 
     def _loop(self):
+        threads = Threads() if self.model.device.type == "cpu" else None  # sized to the cores left free
         while True:
             with self._lock:
                 while not self._closed and not (self._incoming or self._aborts or self._handles):
                     self._wake.wait()
                 if self._closed:
                     return
+            if threads is not None:
+                threads.adapt()
             self.step()
 
     # ---- requests ----------------------------------------------------------------------

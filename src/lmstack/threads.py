@@ -1,0 +1,71 @@
+"""Decode threads sized to the cores that other processes leave free, measured between tokens.
+
+A decode step splits each of its few hundred small operators over the threads and waits for the slowest at
+every barrier: with another busy process on the cores, whichever thread is descheduled stalls the rest, and two
+threads beside one busy process keep about 30% of their quiet speed. One thread on the core left free keeps more.
+So every INTERVAL seconds (checked between tokens) `Threads.adapt` takes the CPU time the cores this process may
+run on spent on other processes (their busy time in /proc/stat, less this process's own) and runs as many threads
+as cores were left free, at least one and never more than the caller's torch.get_num_threads().
+"""
+
+import os
+import time
+
+import torch
+
+INTERVAL = 0.1  # seconds between measurements: /proc/stat counts clock ticks (1-10 ms)
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """CPU seconds the given cores spent on anything but idle and I/O wait since boot; None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if int(name[3:]) in cpus:  # user nice system idle iowait irq softirq steal ...
+            values = [int(v) for v in fields[:8]]
+            busy += sum(values) - values[3] - values[4]
+    return busy / TICK
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class Threads:
+    """Made where decoding starts (its thread count is the limit); adapt() between tokens, restore() at the end."""
+
+    def __init__(self):
+        self.limit = torch.get_num_threads()
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.last = None  # (wall, busy, own) seconds at the last measurement
+
+    def adapt(self):
+        if self.limit == 1 or not self.cpus:
+            return
+        now = time.monotonic()
+        if self.last is not None and now - self.last[0] < INTERVAL:
+            return
+        busy = _busy_seconds(self.cpus)
+        if busy is None:
+            self.cpus = set()
+            return
+        sample = (now, busy, _own_seconds())
+        if self.last is not None:
+            others = (sample[1] - self.last[1] - (sample[2] - self.last[2])) / (now - self.last[0])
+            threads = max(1, min(self.limit, round(len(self.cpus) - others)))
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        self.last = sample
+
+    def restore(self):
+        if torch.get_num_threads() != self.limit:
+            torch.set_num_threads(self.limit)
