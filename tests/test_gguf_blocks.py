@@ -78,8 +78,11 @@ def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
     float32 rounding of each block's terms, and within amax / 254 per column of the exact product."""
     rows, cols = 19, 160
     raw = random_blocks(qtype, rows, cols, seed=2)
-    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(1)).bfloat16()
-    y = kernels.gguf_matvec(x, kernels.pack_gguf(torch.from_numpy(raw), qtype.value), qtype.value, rows, None)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(1)).bfloat16()
+    packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
+    y = kernels.gguf_matvec(x, packed, qtype.value, rows, None)
+    for i in range(6):  # rows go four to a weight load: each row's result is its result alone
+        assert torch.equal(y[i], kernels.gguf_matvec(x[i:i + 1], packed, qtype.value, rows, None)[0])
     xq, dx = quantized_rows(x)
     w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).double().reshape(rows, -1, 32)
     terms = torch.einsum("rbk,mbk->mrb", w, xq.double()) * dx.double()[:, None, :, 0]  # (m, rows, blocks)

@@ -10,7 +10,7 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16      |
 | int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
 | int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
-| gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec      |
+| gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec, all |
 
 gguf keeps a GGUF file's tensors as stored (CPU only): Q8_0, Q4_0 and Q4_1 blocks (8.5, 4.5, 5 bits a weight)
 regrouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly), any other type as the
@@ -22,7 +22,7 @@ each part as its type and concatenates. The arithmetic of the blocks, per profil
         goes to F.linear.
   bf16: llama.cpp's arithmetic: each 32 columns of x quantized to int8 (q = rint(x * 127 / amax), float32 scale
         amax / 127), the block's integer dot product summed exactly (AVX512-VNNI), times the two scales, summed in
-        float32; for many rows the dequantized weights, rounded to bfloat16, go to F.linear.
+        float32, for any number of rows (as fast as a bfloat16 GEMM on many: 64 products a VNNI instruction).
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -267,9 +267,11 @@ class GGUFBlocks(nn.Module):
         self.kernel = kernels.available()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: lmstack's block kernels for a few rows, a dense matmul on the exactly dequantized
-        weights (rounded to x's dtype) for many."""
-        if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or _row_invariant()):
+        """x @ w.T in x's dtype: lmstack's block kernels, for float32 x on a few rows (for many, a dense float32
+        matmul on the exactly dequantized weights); for bfloat16 x on any number (integer dot products, 64 a VNNI
+        instruction, outrun dequantizing and a bfloat16 GEMM)."""
+        few = x.numel() <= GGUF_KERNEL_ROWS * self.k or x.dtype == torch.bfloat16
+        if self.kernel and (few or _row_invariant()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
         return F.linear(x, self.dense().to(x.dtype))
 

@@ -28,6 +28,7 @@ namespace {
 constexpr int64_t TILE = 8;  // kernels.py's TILE
 constexpr int64_t TASK_WEIGHTS = 1 << 15;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
+constexpr int64_t MAX_ROWS = 4;  // rows of x that share each unpacked block of weights
 
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 
@@ -104,15 +105,19 @@ void quantize_row(const c10::BFloat16* x, int64_t KB, int8_t* q, float* d, int32
   }
 }
 
-// dot products of one quantized row of x with the TILE rows of one tile
-template <int64_t T>
-void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB, float* out) {
+// dot products of MR quantized rows of x (row stride K = KB * 32) with the TILE rows of one tile: each block of
+// weights is unpacked once for the MR rows; each row's sums are the same whatever MR is (out[i][r], row i)
+template <int64_t T, int MR>
+void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
+                 float (*out)[TILE]) {
   constexpr int64_t R = record_bytes(T), QA = quants_at(T);
+  const int64_t K = KB * 32;
   alignas(64) float lanes[16];
   if constexpr (T == Q8_0) {
     // four registers of two rows each (lanes 8j..8j+7: row 2 * reg + j); w + 128 is unsigned
-    __m512 acc[4];
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[MR][4];
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i pair[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                              _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
@@ -120,54 +125,70 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
                              _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
     for (int64_t b = 0; b < KB; b++, rec += R) {
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-      const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xq + b * 32)));
-      const __m512i corr = _mm512_maskz_set1_epi32(0x0101, -128 * xs[b]);
-      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(halves(rec), _mm256_set1_ps(xd[b])));
-      for (int i = 0; i < 4; i++) {
-        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(rec + QA + i * 64), flip);
-        const __m512i dot = _mm512_dpbusd_epi32(corr, w, xv);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[i], scale), acc[i]);
+      const __m256 d = halves(rec);
+      __m512i w[4];
+      for (int j = 0; j < 4; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(rec + QA + j * 64), flip);
+      for (int i = 0; i < MR; i++) {
+        const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32)));
+        const __m512i corr = _mm512_maskz_set1_epi32(0x0101, -128 * xs[i * KB + b]);
+        const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(xd[i * KB + b])));
+        for (int j = 0; j < 4; j++) {
+          const __m512i dot = _mm512_dpbusd_epi32(corr, w[j], xv);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[j], scale), acc[i][j]);
+        }
       }
     }
-    for (int i = 0; i < 4; i++) {
-      _mm512_store_ps(lanes, acc[i]);
-      for (int j = 0; j < 2; j++) {
-        float s = 0;
-        for (int l = 0; l < 8; l++) s += lanes[8 * j + l];
-        out[2 * i + j] = s;
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < 4; j++) {
+        _mm512_store_ps(lanes, acc[i][j]);
+        for (int h = 0; h < 2; h++) {
+          float sum = 0;
+          for (int l = 0; l < 8; l++) sum += lanes[8 * h + l];
+          out[i][2 * j + h] = sum;
+        }
       }
-    }
   } else {
     // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); low nibbles meet x[0..15], high x[16..31]
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 offsets = _mm256_setzero_ps();  // Q4_1: sum over blocks of m * d_x * sum(x_q)
+    __m512 acc[MR][2];
+    __m256 offsets[MR];  // Q4_1: sum over blocks of m * d_x * sum(x_q)
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), offsets[i] = _mm256_setzero_ps();
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                              _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
     for (int64_t b = 0; b < KB; b++, rec += R) {
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq + b * 32)));
-      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq + b * 32 + 16)));
-      const __m512i corr = T == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, -8 * xs[b]) : _mm512_setzero_si512();
-      const __m256 xdb = _mm256_set1_ps(xd[b]);
-      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(halves(rec), xdb));
-      if constexpr (T == Q4_1)
-        offsets = _mm256_fmadd_ps(halves(rec + 16), _mm256_mul_ps(xdb, _mm256_set1_ps(float(xs[b]))), offsets);
-      for (int i = 0; i < 2; i++) {
-        const __m512i v = _mm512_loadu_si512(rec + QA + i * 64);
-        __m512i dot = _mm512_dpbusd_epi32(corr, _mm512_and_si512(v, nib), xlo);
-        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), xhi);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[i], scale), acc[i]);
+      const __m256 d = halves(rec), m = T == Q4_1 ? halves(rec + 16) : _mm256_setzero_ps();
+      __m512i lo[2], hi[2];
+      for (int j = 0; j < 2; j++) {
+        const __m512i v = _mm512_loadu_si512(rec + QA + j * 64);
+        lo[j] = _mm512_and_si512(v, nib), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+      for (int i = 0; i < MR; i++) {
+        const int8_t* xb = xq + i * K + b * 32;
+        const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));
+        const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));
+        const int32_t sum = xs[i * KB + b];
+        const __m512i corr = T == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, -8 * sum) : _mm512_setzero_si512();
+        const __m256 xdb = _mm256_set1_ps(xd[i * KB + b]);
+        const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, xdb));
+        if constexpr (T == Q4_1)
+          offsets[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(xdb, _mm256_set1_ps(float(sum))), offsets[i]);
+        for (int j = 0; j < 2; j++) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo[j], xlo), hi[j], xhi);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[j], scale), acc[i][j]);
+        }
       }
     }
-    alignas(32) float offs[TILE];
-    _mm256_store_ps(offs, offsets);
-    for (int i = 0; i < 2; i++) {
-      _mm512_store_ps(lanes, acc[i]);
-      for (int j = 0; j < 4; j++) {
-        float s = 0;
-        for (int l = 0; l < 4; l++) s += lanes[4 * j + l];
-        out[4 * i + j] = s + offs[4 * i + j];
+    for (int i = 0; i < MR; i++) {
+      alignas(32) float offs[TILE];
+      _mm256_store_ps(offs, offsets[i]);
+      for (int j = 0; j < 2; j++) {
+        _mm512_store_ps(lanes, acc[i][j]);
+        for (int h = 0; h < 4; h++) {
+          float sum = 0;
+          for (int l = 0; l < 4; l++) sum += lanes[4 * h + l];
+          out[i][4 * j + h] = sum + offs[4 * j + h];
+        }
       }
     }
   }
@@ -219,23 +240,36 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   with_gguf_type(type, [&]<int64_t T>() {
     at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1))),
                      [&](int64_t t0, int64_t t1) {
-      float sums[TILE];
+      float sums[MAX_ROWS][TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
         const int64_t n = t * TILE, rows = std::min(TILE, N - n);
-        for (int64_t m = 0; m < M; m++) {
-          if (f32)
-            dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + m * K, rec, KB, sums);
-          else
-            dot_q8_tile<T>(xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB, rec, KB, sums);
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+          const int64_t block = std::min(MAX_ROWS, M - m0);
           if (f32) {
-            float* yp = static_cast<float*>(y.data_ptr()) + m * N + n;
-            const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) + n : nullptr;
-            for (int64_t r = 0; r < rows; r++) yp[r] = bp ? sums[r] + bp[r] : sums[r];
+            for (int64_t i = 0; i < block; i++)
+              dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
           } else {
-            auto* yp = static_cast<c10::BFloat16*>(y.data_ptr()) + m * N + n;
-            const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) + n : nullptr;
-            for (int64_t r = 0; r < rows; r++) yp[r] = c10::BFloat16(bp ? sums[r] + float(bp[r]) : sums[r]);
+            const int8_t* q = xb.q.data() + m0 * K;
+            const float* d = xb.d.data() + m0 * KB;
+            const int32_t* s = xb.sum.data() + m0 * KB;
+            if (block == MAX_ROWS)
+              dot_q8_tile<T, MAX_ROWS>(q, d, s, rec, KB, sums);
+            else
+              for (int64_t i = 0; i < block; i++)
+                dot_q8_tile<T, 1>(q + i * K, d + i * KB, s + i * KB, rec, KB, sums + i);
+          }
+          for (int64_t i = 0; i < block; i++) {
+            const int64_t m = m0 + i;
+            if (f32) {
+              float* yp = static_cast<float*>(y.data_ptr()) + m * N + n;
+              const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) + n : nullptr;
+              for (int64_t r = 0; r < rows; r++) yp[r] = bp ? sums[i][r] + bp[r] : sums[i][r];
+            } else {
+              auto* yp = static_cast<c10::BFloat16*>(y.data_ptr()) + m * N + n;
+              const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) + n : nullptr;
+              for (int64_t r = 0; r < rows; r++) yp[r] = c10::BFloat16(bp ? sums[i][r] + float(bp[r]) : sums[i][r]);
+            }
           }
         }
       }
