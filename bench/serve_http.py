@@ -3,8 +3,10 @@
 Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens
 (greedy, `ignore_eos`, a different short prompt each) back to back; it reports the aggregate completion
 tokens/s over the level's wall time and the p50/p95 of a request's latency (sent to last token) and of its
-time to first token. The servers take turns level by level (the first to go alternates), so each ratio
-compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short
+time to first token, and the server process's CPU time per completion token (user + system, all its threads;
+with `--threads 1` it stays meaningful on a loaded machine, where wall times are not and where llama.cpp's
+spinning threads make its 2-thread CPU time balloon). The servers take turns level by level (the first to go
+alternates), so each ratio compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short
 request sent while 15 other streams run (`--probes` of them, one after another). `--engine` adds the same
 requests on lmstack's Engine in this process, without HTTP.
 
@@ -95,8 +97,18 @@ def engine_one(engine, tokenizer, prompt: str, tokens: int) -> dict:
     return dict(latency=time.perf_counter() - start, ttft=handle.time_to_first_token, tokens=handle.completion_tokens)
 
 
-def level(one, clients: int, requests: int) -> dict:
-    """`clients` threads, each making `requests` requests one after another with one(prompt)."""
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of process pid so far (0 for None)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def level(one, clients: int, requests: int, pid: int | None = None) -> dict:
+    """`clients` threads, each making `requests` requests one after another with one(prompt); pid: the server's
+    process, whose CPU time per token is measured."""
     results, errors = [], []
 
     def client(i):
@@ -108,16 +120,18 @@ def level(one, clients: int, requests: int) -> dict:
             errors.append(e)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(pid)
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
     if errors:
         raise errors[0]
-    return dict(rate=sum(r["tokens"] for r in results) / wall, latency=percentiles([r["latency"] for r in results]),
-                ttft=percentiles([r["ttft"] for r in results]), tokens=statistics.mean(r["tokens"] for r in results))
+    made = sum(r["tokens"] for r in results)
+    return dict(rate=made / wall, latency=percentiles([r["latency"] for r in results]),
+                ttft=percentiles([r["ttft"] for r in results]), tokens=statistics.mean(r["tokens"] for r in results),
+                cpu_ms=1000 * cpu / made if pid is not None else None)
 
 
 def newcomers(one, busy: int, probes: int) -> dict:
@@ -251,9 +265,10 @@ def main():
             for one in runs.values():  # warm up: kernels compiled, caches touched
                 level(one, 2, 1)
             rows, order = {}, list(runs)
+            pids = {name: process.pid for name, (process, _) in servers.items()}
             for clients in args.clients:
                 for name in order:
-                    rows[clients, name] = level(runs[name], clients, args.requests)
+                    rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name))
                     print(f"  {clients:>2} clients, {name}: {rows[clients, name]['rate']:.1f} tok/s (load {load()})",
                           flush=True)
                 order.reverse()
@@ -275,21 +290,22 @@ def main():
 
 def report(rows, args, names, busy):
     ours = "lmstack"
-    print("\n| clients | server | tok/s | latency p50 / p95 s | TTFT p50 / p95 s | lmstack's tok/s over it | "
-          "lmstack's p95 latency over it |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| clients | server | tok/s | latency p50 / p95 s | TTFT p50 / p95 s | CPU ms/token | "
+          "lmstack's tok/s over it | lmstack's p95 latency over it |")
+    print("|---|---|---|---|---|---|---|---|")
     for clients in args.clients:
         for name in names:
             r, us = rows[clients, name], rows[clients, ours]
             ratios = "| | |" if name == ours else (f"| {us['rate'] / r['rate']:.2f}x | "
                                                  f"{us['latency'][1] / r['latency'][1]:.2f}x |")
+            cpu = "" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
             print(f"| {clients} | {name} | {r['rate']:.1f} | {r['latency'][0]:.2f} / {r['latency'][1]:.2f} | "
-                  f"{r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} {ratios}")
+                  f"{r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} | {cpu} {ratios}")
     for name in names:
         if ("newcomer", name) in rows:
             r = rows["newcomer", name]
             print(f"| newcomer beside {busy} streams | {name} | | | {r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} "
-                  f"(worst {r['worst']:.3f}) | | |")
+                  f"(worst {r['worst']:.3f}) | | | |")
 
 
 if __name__ == "__main__":
