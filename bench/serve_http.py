@@ -1,14 +1,14 @@
 """`lmstack serve` over HTTP against llama.cpp's `llama-server` on the same weights, in one run.
 
-Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens
-(greedy, `ignore_eos`, a different short prompt each) back to back; it reports the aggregate completion
-tokens/s over the level's wall time and the p50/p95 of a request's latency (sent to last token) and of its
-time to first token, and the server process's CPU time per completion token (user + system, all its threads;
-with `--threads 1` it stays meaningful on a loaded machine, where wall times are not and where llama.cpp's
-spinning threads make its 2-thread CPU time balloon). The servers take turns level by level (the first to go
-alternates), so each ratio compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short
-request sent while 15 other streams run (`--probes` of them, one after another). `--engine` adds the same
-requests on lmstack's Engine in this process, without HTTP.
+Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens (greedy,
+`ignore_eos`, a different short prompt each) back to back; it reports the aggregate completion tokens/s over the
+level's wall time and the p50/p95 of a request's latency (sent to last token) and of its time to first token, and
+the server process's CPU time per completion token (user + system, all its threads; with `--threads 1` it stays
+meaningful on a loaded machine, where wall times are not and where llama.cpp's spinning threads make its 2-thread
+CPU time balloon). The servers take turns level by level (the first to go alternates), so each ratio compares runs
+seconds apart on the same machine. The "newcomer" row is the time to first token of a short request sent while 15
+other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
+this process, without HTTP.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the default model's weights requantized to
 BF16 by `llama-quantize` (found beside it), `--threads` threads and one slot per client of the largest level:
