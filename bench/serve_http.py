@@ -269,8 +269,9 @@ def main():
             for clients in args.clients:
                 for name in order:
                     rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name))
-                    print(f"  {clients:>2} clients, {name}: {rows[clients, name]['rate']:.1f} tok/s (load {load()})",
-                          flush=True)
+                    r = rows[clients, name]
+                    print(f"  {clients:>2} clients, {name}: {r['rate']:.1f} tok/s, {r['tokens']:.1f} tokens a request "
+                          f"(load {load()})", flush=True)
                 order.reverse()
             if args.probes:
                 busy = max(args.clients) - 1
