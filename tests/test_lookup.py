@@ -4,6 +4,7 @@ one-token step, so the tokens are the plain generation's; what cannot be checked
 The oracle is lmstack's own plain decoding (one step per token), run beside it in the same test.
 """
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -56,6 +57,18 @@ def test_a_checking_forward_gives_each_position_the_logits_of_its_step(tiny_chec
 @pytest.mark.parametrize("name", ["llama_tied_gqa", "qwen3"])
 def test_every_row_invariant_format_checks_exactly(tiny_checkpoint, name, weight_format, profile):
     lm = CausalLM.load(tiny_checkpoint(name)[0], weight_format=weight_format, numeric_profile=profile, device="cpu")
+    prompt, fed = random_ids(5, 2), random_ids(16, 3)
+    assert torch.equal(checked(lm, prompt, fed)[0], steps(lm, prompt, fed))
+
+
+@needs_kernels
+@pytest.mark.parametrize("profile", [None, "bf16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_as_stored_check_exactly(tiny_checkpoint, tmp_path, qtype, profile):
+    from test_gguf import write_gguf
+
+    write_gguf(tmp_path / "m.gguf", tiny_checkpoint("llama_tied_gqa")[1], qtype=gguf.GGMLQuantizationType[qtype])
+    lm = CausalLM.load(tmp_path / "m.gguf", weight_format="gguf", numeric_profile=profile, device="cpu")
     prompt, fed = random_ids(5, 2), random_ids(16, 3)
     assert torch.equal(checked(lm, prompt, fed)[0], steps(lm, prompt, fed))
 
@@ -116,7 +129,7 @@ def test_stopping_inside_a_draft_stops_where_the_plain_generation_stops(tiny_che
 
 
 @needs_kernels
-@pytest.mark.parametrize("weight_format, profile", [("bfloat16", "bf16"), ("float32", None)])
+@pytest.mark.parametrize("weight_format, profile", [("gguf", "bf16"), ("float32", None)])
 def test_the_real_model_repeats_a_text_with_the_plain_greedy_tokens(weight_format, profile):
     path = smollm2()
     lm, tok = CausalLM.load(path, weight_format=weight_format, numeric_profile=profile, device="cpu"), \
