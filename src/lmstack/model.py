@@ -424,7 +424,7 @@ class CausalLM:
 
     def _store_head(self):
         """The head's matmul in its fast form (formats.head_projection); an untied dense head is dropped."""
-        self.head_projection = head_projection(self.head)
+        self.head_projection = head_projection(self.head, tied=self.plan.head_name is None)
         name = self.plan.head_name
         if name and self.head_projection.weight is not self.head:
             self._converted[name] = (self.head_projection, None, "weight")
@@ -448,7 +448,7 @@ class CausalLM:
                 stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
                 continue
-            if not all(bool(torch.isfinite(t).all()) for t in vars(stored).values()
+            if not all(bool(torch.isfinite(t.to_dense() if t.is_mkldnn else t).all()) for t in vars(stored).values()
                        if isinstance(t, torch.Tensor) and t.is_floating_point()):
                 names = [name for key, name, _ in self.plan.layer_weights(i) if key.startswith(path + ".")]
                 raise CheckpointError(f"{', '.join(names)}: values overflow to inf when stored as {self.weight_format} "
