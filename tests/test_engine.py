@@ -308,6 +308,9 @@ def test_bf16_matvec_rows_do_not_depend_on_their_batch_mates():
     for n, k in ((64, 96), (13, 100)):  # full tiles, and a ragged tail of output rows and inputs
         w, bias = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
         x = torch.randn(11, k, generator=g).bfloat16()
-        alone = torch.cat([kernels.matvec_bf16(x[i:i + 1], w, bias) for i in range(11)])
-        assert all(torch.equal(kernels.matvec_bf16(x[:m], w, bias), alone[:m]) for m in range(1, 12))
-        torch.testing.assert_close(alone.float(), x.float() @ w.float().T + bias.float(), rtol=2e-2, atol=2e-2)
+        tiled = kernels.tile_int8(w)
+        for matvec in (lambda x: kernels.matvec_bf16(x, w, bias),
+                       lambda x: kernels.matvec_bf16_tiled(x, tiled, n, bias)):
+            alone = torch.cat([matvec(x[i:i + 1]) for i in range(11)])
+            assert all(torch.equal(matvec(x[:m]), alone[:m]) for m in range(1, 12))
+            torch.testing.assert_close(alone.float(), x.float() @ w.float().T + bias.float(), rtol=2e-2, atol=2e-2)

@@ -56,6 +56,19 @@ def test_matvec_bf16(m, n, k, with_bias):
 
 @needs_kernels
 @pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matvec_bf16_tiled(m, n, k, with_bias):
+    x, w, b = randn(m, k), randn(n, k), randn(n) if with_bias else None
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    tiled = kernels.tile_int8(w)
+    assert torch.equal(kernels.untile_int8(tiled, n, k), w)
+    out = kernels.matvec_bf16_tiled(x, tiled, n, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert_rounded_once(out, exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matvec_int8(m, n, k, dtype):
     x, b = randn(m, k, dtype=dtype), randn(n, dtype=dtype)

@@ -7,7 +7,7 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | weight_format | bytes/weight | profiles  | matmul on CPU, fp32 (few rows / many rows)  | bf16 (few rows)          |
 |---------------|--------------|-----------|---------------------------------------------|--------------------------|
 | float32       | 4            | fp32      | kernels.matvec_f32 / F.linear               | -                        |
-| bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16      |
+| bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16_tiled|
 | int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
 | int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
 | gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec, all |
@@ -205,36 +205,42 @@ class Int4Linear(nn.Module):
 
 
 class MatvecLinear(nn.Module):
-    """A float32 or bfloat16 matrix as it is: lmstack's kernels for a few rows (decode), F.linear for more
-    (prefill). Under float32 activations bfloat16 weights are widened, exactly, and multiplied in float32."""
+    """A float32 or bfloat16 matrix: lmstack's kernels for a few rows (decode), F.linear for more (prefill). Under
+    float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. Under bfloat16 ones, a
+    bfloat16 matrix is stored tiled (kernels.tile_int8), which the kernel reads faster, unless `tile` is False (a
+    tied head, which shares the embedding's memory)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
-        self.weight = weight.detach()
+        self.shape = tuple(weight.shape)
         self.bias = None if bias is None else bias.detach().to(compute)
-        self.kernel = self.weight.is_cpu and kernels.available()
+        self.kernel = weight.is_cpu and kernels.available()
+        self.tiled = tile and self.kernel and weight.dtype == compute == torch.bfloat16
+        self.weight = kernels.tile_int8(weight.detach()) if self.tiled else weight.detach()
 
     row_invariant = property(lambda self: self.kernel, doc="whether each row's result is the same whatever "
                              "the rows beside it, under row_invariant()")
 
     def forward(self, x):
-        if self.kernel and (x.numel() <= MATVEC_ROWS * self.weight.shape[1] or _row_invariant()):
+        if self.kernel and (x.numel() <= MATVEC_ROWS * self.shape[1] or _row_invariant()):
             if x.dtype == torch.float32:
                 return kernels.matvec_f32(x, self.weight, self.bias)
+            if self.tiled:
+                return kernels.matvec_bf16_tiled(x, self.weight, self.shape[0], self.bias)
             return kernels.matvec_bf16(x, self.weight, self.bias)
-        return F.linear(x, self.weight.to(x.dtype), self.bias)
+        return F.linear(x, self.dense_weight().to(x.dtype), self.bias)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight
+        return kernels.untile_int8(self.weight, *self.shape) if self.tiled else self.weight
 
 
-def _fast_cpu_linear(linear: nn.Linear) -> nn.Module:
+def _fast_cpu_linear(linear: nn.Linear, tile: bool = True) -> nn.Module:
     """A float32 or bfloat16 matrix, computed in its own dtype, in its fastest exact form (F.linear off CPU)."""
     weight = linear.weight
     if weight.is_cpu and weight.dtype == torch.bfloat16 and not kernels.available() and \
             torch.backends.mkldnn.is_available():
         return PackedLinear(linear)
-    return MatvecLinear(weight, linear.bias, weight.dtype)  # float32 never oneDNN-packed: it is less accurate
+    return MatvecLinear(weight, linear.bias, weight.dtype, tile)  # float32 never oneDNN-packed: it is less accurate
 
 
 def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.Module:
@@ -249,12 +255,12 @@ def convert(linear: nn.Linear, weight_format: str, compute: torch.dtype) -> nn.M
     return _fast_cpu_linear(linear)
 
 
-def head_projection(weight: torch.Tensor) -> nn.Module:
+def head_projection(weight: torch.Tensor, tied: bool) -> nn.Module:
     """The head's matmul in its fastest form, in the weight's dtype; on CPU without lmstack's kernels a tied
-    bfloat16 head is a packed copy."""
+    bfloat16 head is a packed copy. A tied head is not tiled: it would be a second copy of the embedding."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    return _fast_cpu_linear(linear)
+    return _fast_cpu_linear(linear, tile=not tied)
 
 
 class GGUFBlocks(nn.Module):
@@ -290,9 +296,10 @@ class GGUFLinear(nn.Module):
     """A projection whose parts (q, k and v; gate and up; the head) stay as their GGUF tensors store them: blocks
     for Q8_0, Q4_0 and Q4_1; float32 or bfloat16 tensors (exact) for the rest. The parts' outputs are concatenated."""
 
-    def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype):
+    def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
-        self.parts = nn.ModuleList(p if isinstance(p, GGUFBlocks) else MatvecLinear(p, None, p.dtype) for p in parts)
+        self.parts = nn.ModuleList(p if isinstance(p, GGUFBlocks) else MatvecLinear(p, None, p.dtype, tile)
+                                   for p in parts)  # not tiled: a tied head (the embedding's memory)
         self.bias = None if bias is None else bias.detach().to(compute)
 
     @property
@@ -313,4 +320,4 @@ class GGUFLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self) -> torch.Tensor:
-        return torch.cat([p.dense() if isinstance(p, GGUFBlocks) else p.weight.float() for p in self.parts])
+        return torch.cat([p.dense() if isinstance(p, GGUFBlocks) else p.dense_weight().float() for p in self.parts])

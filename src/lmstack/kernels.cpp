@@ -296,6 +296,85 @@ at::Tensor matvec_bf16(const at::Tensor& x_, const at::Tensor& w, const std::opt
   return y;
 }
 
+
+// dot products of MR bf16 rows of x (row stride K, K <= K32 * 32) with the TILE rows of one bf16 tile (K32
+// blocks of TILE x 32 weights, zero-padded), out[m][r]. The tiles are one sequential stream, which the hardware
+// prefetcher follows: it reads 1.2-1.6x faster than TILE rows side by side, and prefetching ahead in software
+// only slowed it (by 5-25%, at distances of 512 B to 16 KB). Each output is
+// summed in the same order whatever MR (so a row's results never depend on how many rows share the call): for
+// MR > 1 the tile is read in two halves of four rows, to keep MR * 4 accumulators in registers.
+template <int MR>
+__attribute__((always_inline)) inline void dot_bf16_tile(const uint16_t* x, int64_t K, const uint16_t* tile,
+                                                         int64_t K32, float (*out)[TILE]) {
+  constexpr int HALF = MR == 1 ? TILE : 4;
+  for (int h = 0; h < TILE; h += HALF) {
+    __m512 acc[MR][HALF];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < HALF; r++) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* block = tile + h * 32;
+    for (int64_t k = 0; k < K32; k++, block += TILE * 32) {
+      const __mmask32 mask = k * 32 + 32 <= K ? ~0u : (__mmask32)((1ull << (K - k * 32)) - 1);
+      __m512bh xv[MR];
+      for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k * 32);
+      for (int r = 0; r < HALF; r++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(block + r * 32);
+        for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < HALF; r += 4) _mm_storeu_ps(out[m] + h + r, sum4(acc[m] + r));
+  }
+}
+
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), tiled w (N x K32 * 32, padded) and bias
+void rows_bf16_tiled(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, int64_t K32,
+                     const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0, int64_t n1) {
+  float sums[BLOCK_ROWS][TILE];
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    const uint16_t* tile = w + n * K32 * 32;
+    for (int64_t m = 0; m < M; m += BLOCK_ROWS) {
+      const int64_t block = std::min(BLOCK_ROWS, M - m);
+      const uint16_t* xm = x + m * K;
+      if (block == 1)
+        dot_bf16_tile<1>(xm, K, tile, K32, sums);
+      else if (block == 2)
+        dot_bf16_tile<2>(xm, K, tile, K32, sums);
+      else if (block == 3)
+        dot_bf16_tile<3>(xm, K, tile, K32, sums);
+      else
+        dot_bf16_tile<4>(xm, K, tile, K32, sums);
+      for (int64_t i = 0; i < block; i++)
+        for (int64_t r = 0; r < rows; r++)
+          y[(m + i) * N + n + r] = c10::BFloat16(bias ? sums[i][r] + float(bias[n + r]) : sums[i][r]);
+    }
+  }
+}
+
+at::Tensor matvec_bf16_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t N,
+                             const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "matvec_bf16: x must be a bfloat16 CPU tensor");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
+                  w.size(3) == 32,
+              "matvec_bf16: w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
+              ", 32), got ", w.sizes());
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
+                "matvec_bf16: bias must be a contiguous bfloat16 vector of ", N);
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
+  auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t K32 = w.size(1);
+  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_bf16_tiled(xp, M, wp, N, K, K32, bp, yp, n0, n1); });
+  return y;
+}
+
 // float32 x (M, K) with float32 or bfloat16 w (N, K), bfloat16 weights widened exactly to float32
 at::Tensor matvec_f32(const at::Tensor& x_, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const at::Tensor x = x_.contiguous();
@@ -867,6 +946,7 @@ at::Tensor silu_mul(const at::Tensor& x_) {
 
 TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
+  m.def("matvec_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", matvec_bf16_tiled);
   m.def("matvec_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_f32);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);

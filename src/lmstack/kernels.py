@@ -4,7 +4,7 @@ Decoding one token reads every weight once, through many small operators. For on
 PyTorch's CPU kernels read weights at 25-35 GB/s (oneDNN's packed bfloat16, torch._weight_int8pack_mm),
 well under what the memory delivers, and eager PyTorch spends ~15 us on an RMSNorm of one row and ~30 us
 on rotary embedding, cache writes and attention per layer. kernels.cpp does each in one call: matvec for
-bfloat16 and int8 weights; RMSNorm, rotary with the cache write, one-query attention and silu(gate) * up
+bfloat16 (tiled) and int8 weights; RMSNorm, rotary with the cache write, one-query attention and silu(gate) * up
 for float32 and bfloat16 activations (bench/decode.py shows the whole-model effect). Results differ from
 PyTorch's operators only in float32 summation order and exp's last bit (tests/test_kernels.py).
 
@@ -86,8 +86,15 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def matvec_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias for a few rows of x (decode, small batches), all bfloat16."""
+    """x @ weight.T + bias for a few rows of x (decode, small batches), all bfloat16, weight (N, K) as it is
+    (a tied head, which shares the embedding's memory)."""
     return torch.ops.lmstack.matvec_bf16(x, weight, bias)
+
+
+def matvec_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for w = untile_int8(weight, n, K), all bfloat16: the tiles are read as one stream, faster
+    than matvec_bf16 reads rows. Each row's result does not depend on how many rows share the call."""
+    return torch.ops.lmstack.matvec_bf16_tiled(x, weight, n, bias)
 
 
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +105,8 @@ def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def tile_int8(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) int8 -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8 reads."""
+    """(N, K) int8 (or bfloat16) -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8
+    (matvec_bf16_tiled) reads."""
     n, k = q.shape
     padded = F.pad(q, (0, -k % 32, 0, -n % TILE))
     return padded.view(padded.shape[0] // TILE, TILE, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()

@@ -418,7 +418,7 @@ class CausalLM:
                 self._weights[plan.embed_name] = embed
         if last.type != "meta":
             head = embed if plan.tie_embeddings else _as_stored(source, plan.head_name, plan.d_model)
-            self.head_projection = GGUFLinear([head], None, self.dtype)
+            self.head_projection = GGUFLinear([head], None, self.dtype, tile=not plan.tie_embeddings)
             if plan.head_name:
                 self._converted[plan.head_name] = (self.head_projection, None, "weight")
 
