@@ -1,7 +1,7 @@
 """lmstack against llama.cpp on the same GGUF file per bit width: decode, prefill, contention, long contexts.
 
     python bench/decode.py                  # the table (BF16, Q8_0, Q4_0 files of the default model)
-    python bench/decode.py --quick          # fewer tokens, one long context: a couple of minutes
+    python bench/decode.py --quick          # fewer tokens, one shorter long context: a couple of minutes
     python bench/decode.py --rows BF16=bfloat16,Q8_0=int8,Q8_0=gguf,Q4_0=int4 --transformers
 
 The BF16, Q8_0 and Q4_0 files are made once from the source GGUF (llama.cpp's quantizer when
@@ -143,14 +143,17 @@ class Lmstack:
 class LlamaCpp:
     def __init__(self, path, threads, n_ctx, **_):
         import llama_cpp
+        import numpy
 
+        self.np = numpy
         self.silent = llama_cpp.llama_log_callback(lambda level, text, data: None)  # not its per-tensor log
         llama_cpp.llama_log_set(self.silent, None)
         self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                                    n_batch=CHUNK, verbose=False)
 
     def _greedy(self):
-        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        """The argmax of the last position's logits (eval keeps none unless every position's are asked for)."""
+        return int(self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).argmax())
 
     def decode(self, prompt, tokens):
         self.llm.reset()
@@ -221,6 +224,8 @@ def serve(spec: dict):
     for line in sys.stdin:
         request = json.loads(line)
         print(json.dumps(getattr(engine, request.pop("op"))(**request)), file=answers)
+    answers.close()
+    os._exit(0)  # llama-cpp-python's teardown at exit prints a spurious error
 
 
 class Worker:
@@ -353,7 +358,7 @@ def main():
     parser.add_argument("--contention", default="BF16", help="file of the contention row ('' for none)")
     parser.add_argument("--long-context", default="BF16", help="file of the long-context rows ('' for none)")
     parser.add_argument("--transformers", action="store_true", help="transformers bf16 beside the BF16 row (slow)")
-    parser.add_argument("--quick", action="store_true", help="32 new tokens, 256-token prefill, one 4096 context")
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, 128-token prefill, one 1024 context")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -365,7 +370,7 @@ def main():
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         args.llama_cpp = False
     if args.quick:
-        args.new_tokens, args.prefill_tokens, args.contexts = 32, 256, "4096"
+        args.new_tokens, args.prefill_tokens, args.contexts = 16, 128, "1024"
 
     from lmstack import models
     from lmstack.config import plan_for
