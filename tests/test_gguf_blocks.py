@@ -57,6 +57,9 @@ def test_float32_products_are_the_dequantized_weights_times_x(qtype):
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(rows)
     y = kernels.gguf_matvec(x, kernels.pack_gguf(torch.from_numpy(raw), qtype.value), qtype.value, rows, bias)
+    eye = torch.eye(cols)  # each product with one is the weight itself, each sum adds zeros: the weights' bits
+    packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
+    assert torch.equal(kernels.gguf_matvec(eye, packed, qtype.value, rows, None).T, w.float())
     exact = x.double() @ w.T + bias.double()
     bound = cols * 2.0 ** -24 * (x.double().abs() @ w.abs().T + bias.double().abs()) * 1.01
     assert ((y.double() - exact).abs() <= bound).all()

@@ -73,8 +73,19 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
       const uint8_t* q = rec + QA + r * quant_bytes(T);
       const __m512i lane = _mm512_set1_epi32(r);
       const __m512 dr = _mm512_permutexvar_ps(lane, d), mr = _mm512_permutexvar_ps(lane, m);
-      even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, dr, mr), x0, even[r]);
-      odd[r] = _mm512_fmadd_ps(dequant16<T>(q, 1, dr, mr), x1, odd[r]);
+      if constexpr (T == Q8_0) {
+        even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, dr, mr), x0, even[r]);
+        odd[r] = _mm512_fmadd_ps(dequant16<T>(q, 1, dr, mr), x1, odd[r]);
+      } else {  // the row's 16 possible weights, each computed as dequant16 computes it, looked up by nibble
+        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 table = T == Q4_0 ? _mm512_mul_ps(dr, _mm512_sub_ps(iota, _mm512_set1_ps(8)))
+                                       : _mm512_add_ps(_mm512_mul_ps(dr, iota), mr);
+        const __m128i v = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0F);
+        const __m512i n0 = _mm512_cvtepu8_epi32(_mm_and_si128(v, low));
+        const __m512i n1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        even[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n0, table), x0, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n1, table), x1, odd[r]);
+      }
     }
   }
   for (int r = 0; r < TILE; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
