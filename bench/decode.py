@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers import Worker, serve
+
 TYPES = ("BF16", "Q8_0", "Q4_0")
 DEFAULT_ROWS = "BF16=bfloat16,Q8_0=int8,Q4_0=int4"
 LONG_DECODE = 32  # tokens decoded after each long context
@@ -214,44 +216,11 @@ class Transformers:
 ENGINES = {"lmstack": Lmstack, "llama.cpp": LlamaCpp, "transformers": Transformers}
 
 
-def serve(spec: dict):
-    """A worker: answer one JSON request per line of stdin (op and arguments) with one JSON line."""
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the engines' own prints go to stderr
+def build(spec: dict):
+    """A worker's engine, warmed up."""
     engine = ENGINES[spec["engine"]](**spec)
     engine.decode(spec["warmup"], 4)
-    print(json.dumps("ready"), file=answers)
-    for line in sys.stdin:
-        request = json.loads(line)
-        print(json.dumps(getattr(engine, request.pop("op"))(**request)), file=answers)
-    answers.close()
-    os._exit(0)  # llama-cpp-python's teardown at exit prints a spurious error
-
-
-class Worker:
-    """One engine in its own process."""
-
-    def __init__(self, engine, **spec):
-        self.name = engine
-        spec = dict(engine=engine, **{k: str(v) if isinstance(v, Path) else v for k, v in spec.items()})
-        self.process = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._answer()
-
-    def _answer(self):
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.name} worker ended (its error is above)")
-        return json.loads(line)
-
-    def __call__(self, op, **arguments):
-        self.process.stdin.write(json.dumps(dict(op=op, **arguments)) + "\n")
-        self.process.stdin.flush()
-        return self._answer()
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait()
+    return engine
 
 
 def alternating(workers: dict, op, repeats, **arguments) -> dict:
@@ -305,9 +274,9 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
         contexts = []
     n_ctx = max([len(long_prompt), len(prompt) + args.new_tokens, *[len(c) + LONG_DECODE + 1 for c in contexts]])
     common = dict(path=path, threads=args.threads, warmup=prompt[:8])
-    workers = {"lmstack": Worker("lmstack", weight_format=weight_format, **common)}
+    workers = {"lmstack": Worker(__file__, "lmstack", weight_format=weight_format, **common)}
     if args.llama_cpp:
-        workers["llama.cpp"] = Worker("llama.cpp", n_ctx=n_ctx, **common)
+        workers["llama.cpp"] = Worker(__file__, "llama.cpp", n_ctx=n_ctx, **common)
     label = f"{file_type} (lmstack {weight_format})"
 
     def row(name, results, unit="tok/s"):
@@ -315,7 +284,7 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
 
     try:
         if hf_dir:
-            workers["transformers"] = Worker("transformers", **dict(common, path=hf_dir))
+            workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
         rows = [row("decode, tok/s", alternating(workers, "decode", args.repeats, prompt=prompt,
                                                  tokens=args.new_tokens)),
                 row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
@@ -362,7 +331,7 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return serve(json.loads(args.worker))
+        return serve(lambda: build(json.loads(args.worker)))
     try:
         import llama_cpp  # noqa: F401
         args.llama_cpp = True

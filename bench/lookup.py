@@ -15,10 +15,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from workers import Worker, serve
 
 TEXT = ("The history of the bicycle is long and full of suprises. The first machines, built in the early nineteenth "
         "century, had no pedals at all: riders pushed themselfs along with their feet, like children on a balance "
@@ -110,42 +110,6 @@ class LlamaCpp:
 ENGINES = {"lmstack": Lmstack, "transformers": Transformers, "llama.cpp": LlamaCpp}
 
 
-def serve(spec: dict):
-    """A worker: answer one JSON request per line of stdin with one JSON line."""
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the engines' own prints go to stderr
-    engine = ENGINES[spec["engine"]](**spec)
-    print(json.dumps("ready"), file=answers)
-    for line in sys.stdin:
-        print(json.dumps(engine.run(**json.loads(line))), file=answers)
-    if hasattr(engine, "close"):
-        engine.close()
-
-
-class Worker:
-    def __init__(self, engine, **spec):
-        self.name = engine
-        spec = dict(engine=engine, **{k: str(v) if isinstance(v, Path) else v for k, v in spec.items()})
-        self.process = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._answer()
-
-    def _answer(self):
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.name} worker ended (its error is above)")
-        return json.loads(line)
-
-    def __call__(self, **request):
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self._answer()
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait()
-
-
 # ---- the measurement ---------------------------------------------------------------------------------------
 
 def measure(path, hf_dir=None, *, llama_cpp=True, weight_format="bfloat16", threads=2, draft=10, new_tokens=128,
@@ -156,17 +120,17 @@ def measure(path, hf_dir=None, *, llama_cpp=True, weight_format="bfloat16", thre
 
     prompt = prompt_ids(Tokenizer.from_pretrained(path))
     common = dict(threads=threads, draft=draft)
-    workers = {"lmstack": Worker("lmstack", path=path, weight_format=weight_format, **common)}
+    workers = {"lmstack": Worker(__file__, "lmstack", path=path, weight_format=weight_format, **common)}
     try:
         if llama_cpp:
-            workers["llama.cpp"] = Worker("llama.cpp", path=path, n_ctx=len(prompt) + new_tokens + 16, **common)
+            workers["llama.cpp"] = Worker(__file__, "llama.cpp", path=path, n_ctx=len(prompt) + new_tokens + 16, **common)
         if hf_dir is not None:
-            workers["transformers"] = Worker("transformers", path=hf_dir, **common)
+            workers["transformers"] = Worker(__file__, "transformers", path=hf_dir, **common)
         runs = {name: {0: [], draft: []} for name in workers}
         for i in range(repeats + 1):  # the first round warms up
             for name in list(workers) if i % 2 else list(workers)[::-1]:
                 for d in (0, draft) if i % 2 else (draft, 0):
-                    result = workers[name](prompt=prompt, tokens=new_tokens, draft=d)
+                    result = workers[name]("run", prompt=prompt, tokens=new_tokens, draft=d)
                     if i:
                         runs[name][d].append(result)
     finally:
@@ -238,7 +202,8 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return serve(json.loads(args.worker))
+        spec = json.loads(args.worker)
+        return serve(lambda: ENGINES[spec["engine"]](**spec))
     try:
         import llama_cpp  # noqa: F401
         has_llama_cpp = True
