@@ -46,23 +46,16 @@ SHAPES = [(1, 960, 576), (3, 13, 37), (8, 7, 100), (2, 5, 1), (1, 9, 33)]  # (ro
 @needs_kernels
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matvec_bf16(m, n, k, with_bias):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_matvec_bf16(m, n, k, with_bias, tiled):
     x, w, b = randn(m, k), randn(n, k), randn(n) if with_bias else None
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
-    out = kernels.matvec_bf16(x, w, b)
-    assert out.shape == (m, n) and out.dtype == torch.bfloat16
-    assert_rounded_once(out, exact)
-
-
-@needs_kernels
-@pytest.mark.parametrize("m, n, k", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_matvec_bf16_tiled(m, n, k, with_bias):
-    x, w, b = randn(m, k), randn(n, k), randn(n) if with_bias else None
-    exact = x.double() @ w.double().T + (0 if b is None else b.double())
-    tiled = kernels.tile_int8(w)
-    assert torch.equal(kernels.untile_int8(tiled, n, k), w)
-    out = kernels.matvec_bf16_tiled(x, tiled, n, b)
+    if tiled:
+        weight = kernels.tile_int8(w)
+        assert torch.equal(kernels.untile_int8(weight, n, k), w)
+        out = kernels.matvec_bf16_tiled(x, weight, n, b)
+    else:
+        out = kernels.matvec_bf16(x, w, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert_rounded_once(out, exact)
 
