@@ -74,6 +74,11 @@ def _row_invariant() -> bool:
     return getattr(_ROW_INVARIANT, "on", False)
 
 
+# row_invariant of a module whose matmul, where lmstack's kernels run (its `kernel`), takes them for any number of rows
+_KERNEL_ROW_INVARIANT = property(lambda self: self.kernel, doc="whether each row's result is the same whatever the "
+                                 "rows beside it, under row_invariant()")
+
+
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
     """The compute dtype for a (format, profile) pair; unknown or unsupported pairs are refused by name."""
     if weight_format not in PROFILES_OF:
@@ -151,8 +156,7 @@ class Int8Linear(nn.Module):
         self.packed_kernel = on_cpu and compute == torch.bfloat16 and not self.kernel  # PyTorch's, else
         self.weight = kernels.tile_int8(q) if self.kernel else q
 
-    row_invariant = property(lambda self: self.kernel, doc="whether each row's result is the same whatever "
-                             "the rows beside it, under row_invariant()")
+    row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
@@ -218,8 +222,7 @@ class MatvecLinear(nn.Module):
         self.tiled = tile and self.kernel and weight.dtype == compute == torch.bfloat16
         self.weight = kernels.tile_int8(weight.detach()) if self.tiled else weight.detach()
 
-    row_invariant = property(lambda self: self.kernel, doc="whether each row's result is the same whatever "
-                             "the rows beside it, under row_invariant()")
+    row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
         if self.kernel and (x.numel() <= MATVEC_ROWS * self.shape[1] or _row_invariant()):
@@ -272,7 +275,9 @@ class GGUFBlocks(nn.Module):
         self.qtype, self.n, self.k = qtype, raw.shape[0], k
         self.kernel = kernels.available()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    row_invariant = _KERNEL_ROW_INVARIANT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: lmstack's block kernels, for float32 x on a few rows (for many, a dense float32
         matmul on the exactly dequantized weights); for bfloat16 x on any number (integer dot products, 64 a VNNI
         instruction, outrun dequantizing and a bfloat16 GEMM)."""
@@ -306,11 +311,9 @@ class GGUFLinear(nn.Module):
     @property
     def row_invariant(self) -> bool:
         """Whether each row's result is the same whatever the rows beside it, under row_invariant()."""
-        return all(p.kernel if isinstance(p, GGUFBlocks) else p.row_invariant for p in self.parts)
+        return all(p.row_invariant for p in self.parts)
 
     def _part(self, part, x):
-        if isinstance(part, GGUFBlocks):
-            return part.matmul(x)
         if part.weight.dtype == torch.float32 and x.dtype != torch.float32:  # widened: float32 weights stay exact
             return part(x.float()).to(x.dtype)
         return part(x)
@@ -321,4 +324,4 @@ class GGUFLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self) -> torch.Tensor:
-        return torch.cat([p.dense() if isinstance(p, GGUFBlocks) else p.dense_weight().float() for p in self.parts])
+        return torch.cat([p.dense_weight().float() for p in self.parts])

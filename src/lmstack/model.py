@@ -22,7 +22,7 @@ from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, Transfo
 from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
 from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, head_projection, profile_of, resolve
-from .gguf import GGUFFile, is_gguf
+from .gguf import BLOCK_TYPES, GGUFFile, is_gguf
 from . import lookup
 from .rope import Rotary
 from .sampling import Sampler
@@ -74,7 +74,8 @@ def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
 def _gguf_bytes(source, name: str) -> int:
     """The bytes a tensor takes under weight_format gguf: as stored, or as float32 where widened."""
     info = source.info(name)
-    return source.nbytes(name) if info.dtype in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32") else 4 * math.prod(info.shape)
+    as_stored = info.dtype in ("BF16", "F32") or info.dtype in (t.name for t in BLOCK_TYPES)
+    return source.nbytes(name) if as_stored else 4 * math.prod(info.shape)
 
 
 def _parameter_rows(block: nn.Module, key: str, rows: slice | None) -> torch.Tensor:
