@@ -9,7 +9,7 @@
                         stop=(), eos_ids=None)
     for token_id in handle: ...     # blocks until each token is made; without start(), iterating steps the engine
     async for token_id in handle: ...          # for asyncio: awaits a future the engine resolves, no polling
-    handle.text_pieces() / handle.atext_pieces()  # the text as it is released (needs the tokenizer)
+    handle.text_pieces()            # the text as it is released (needs the tokenizer)
     async for text in handle.atext_chunks(): ...  # the text released since the last chunk (all of it if behind)
     handle.abort()                  # within one step: the request stops and its KV blocks are freed
     engine.stats()                  # dict, below

@@ -141,21 +141,9 @@ class Handle:
     def __aiter__(self):
         return self._aiterate(self.tokens)
 
-    def atext_pieces(self):
-        """text_pieces for async for."""
-        return self._apieces()
-
-    async def _apieces(self):
-        async for piece in self._aiterate(self.pieces):
-            if piece:
-                yield piece
-
-    def atext_chunks(self):
+    async def atext_chunks(self):
         """For async for: the text released since the last chunk, so a caller that falls behind the engine (a
         server streaming to many clients) gets the pieces made meanwhile as one."""
-        return self._achunks()
-
-    async def _achunks(self):
         async for pieces in self._aiterate(self.pieces, together=True):
             if text := "".join(pieces):
                 yield text
