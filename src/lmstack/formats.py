@@ -35,6 +35,7 @@ Off CPU, F.linear multiplies, bfloat16 weights widened per call under fp32.
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,20 @@ def _row_invariant() -> bool:
 # row_invariant of a module whose matmul, where lmstack's kernels run (its `kernel`), takes them for any number of rows
 _KERNEL_ROW_INVARIANT = property(lambda self: self.kernel, doc="whether each row's result is the same whatever the "
                                  "rows beside it, under row_invariant()")
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The one kernel a projection module calls for a few rows (kernels_layer.cpp's Projection): its kind, its
+    tensors, the bias summed inside the kernel (`bias`) or added after it (`bias_after`)."""
+
+    kind: str  # bf16_tiled, bf16, f32, int8, gguf, int4
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    n: int = 0
+    qtype: int = 0
+    bias: torch.Tensor | None = None
+    bias_after: torch.Tensor | None = None
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -172,6 +187,10 @@ class Int8Linear(nn.Module):
     def _matrix(self) -> torch.Tensor:
         return kernels.untile_int8(self.weight, *self.shape) if self.kernel else self.weight
 
+    def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
+        """What forward computes a few rows of dtype with (None where it is not one of lmstack's kernels)."""
+        return KernelCall("int8", self.weight, self.scales, bias=self.bias) if self.kernel else None
+
     def dense_weight(self) -> torch.Tensor:
         return self._matrix().float() * self.scales[:, None]
 
@@ -202,6 +221,9 @@ class Int4Linear(nn.Module):
 
     def _matmul(self, x):
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
+
+    def kernel_call(self, dtype: torch.dtype) -> KernelCall:
+        return KernelCall("int4", self.weight, self.scales_zeros, bias_after=self.bias)
 
     def forward(self, x):
         y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -235,6 +257,12 @@ class MatvecLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         return kernels.untile_int8(self.weight, *self.shape) if self.tiled else self.weight
+
+    def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
+        if not self.kernel or (dtype == torch.bfloat16 and self.weight.dtype != dtype):
+            return None
+        kind = "f32" if dtype == torch.float32 else "bf16_tiled" if self.tiled else "bf16"
+        return KernelCall(kind, self.weight, n=self.shape[0], bias=self.bias)
 
 
 def _fast_cpu_linear(linear: nn.Linear, tile: bool = True) -> nn.Module:
@@ -290,6 +318,9 @@ class GGUFBlocks(nn.Module):
         """The weights (or rows of them) as float32, bit-equal to gguf.quants.dequantize."""
         return kernels.gguf_dequantize(self.weight, self.qtype, self.n, self.k, rows)
 
+    def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
+        return KernelCall("gguf", self.weight, n=self.n, qtype=self.qtype) if self.kernel else None
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.dense(ids).to(dtype)
 
@@ -317,6 +348,10 @@ class GGUFLinear(nn.Module):
         if part.weight.dtype == torch.float32 and x.dtype != torch.float32:  # widened: float32 weights stay exact
             return part(x.float()).to(x.dtype)
         return part(x)
+
+    def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
+        call = self.parts[0].kernel_call(dtype) if len(self.parts) == 1 else None
+        return None if call is None else replace(call, bias_after=self.bias)
 
     def forward(self, x):
         ys = [self._part(part, x) for part in self.parts]

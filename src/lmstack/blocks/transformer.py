@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
+from .. import formats, kernels
 from ..rope import apply_rotary
 
 ACTIVATIONS = {
@@ -175,7 +175,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_name = ACTIVATIONS[act], act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -198,8 +198,43 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
+        if cache is not None and (layer := self._fused(x, ctx)) is not None:
+            if isinstance(ctx, PagedContext):
+                return layer.paged(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots, ctx.tables, ctx.seqs,
+                                   ctx.positions)
+            return layer.decode(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
         h = x + self.attn(self.attn_norm(x), cache, ctx)
         return h + self.mlp(self.mlp_norm(h))
+
+    def _fused(self, x: torch.Tensor, ctx) -> torch.ScriptObject | None:
+        """The whole block as one call of lmstack's kernels (kernels_layer.cpp), where forward would call only
+        kernels for these rows: a decode step (one new token per row, no mask) or a paged step."""
+        few = x.shape[0] * x.shape[1] <= formats.MATVEC_ROWS or formats._row_invariant()
+        if not few or not kernels.usable(x):
+            return None
+        if isinstance(ctx, AttentionContext) and (x.shape[1] != 1 or ctx.alone or ctx.masks[self.attn.window]
+                                                  is not None):
+            return None
+        fused = getattr(self, "_layer", None)
+        if fused is None or fused[0] != x.dtype:
+            self._layer = fused = (x.dtype, self._build_fused(x.dtype))
+        return fused[1]
+
+    def _build_fused(self, dtype: torch.dtype) -> torch.ScriptObject | None:
+        a = self.attn
+        norms = [self.attn_norm, self.mlp_norm] + ([a.q_norm, a.k_norm] if a.q_norm is not None else [])
+        calls = {name: getattr(module, "kernel_call", lambda _: None)(dtype)
+                 for name, module in (("qkv", a.qkv), ("o", a.o), ("gate_up", self.mlp.gate_up),
+                                      ("down", self.mlp.down))}
+        if any(n.weight.dtype != dtype for n in norms) or None in calls.values():
+            return None
+        layer = torch.classes.lmstack.Layer(self.attn_norm.weight, self.mlp_norm.weight, self.attn_norm.eps,
+                                            a.n_heads, a.n_kv_heads, a.head_dim, a.window or 0, self.mlp.act_name)
+        if a.q_norm is not None:
+            layer.set_qk_norms(a.q_norm.weight, a.k_norm.weight)
+        for name, c in calls.items():
+            layer.set_projection(name, c.kind, c.weight, c.scales, c.n, c.qtype, c.bias, c.bias_after)
+        return layer
 
     def new_cache(self, batch: int, max_tokens: int, dtype, device) -> KVCache:
         a = self.attn
