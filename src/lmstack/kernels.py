@@ -164,15 +164,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GGUF_BLOCKS = {8: (34, 2), 2: (18, 2), 3: (20, 4)}  # Q8_0, Q4_0, Q4_1
 
 
+Q8_0 = 8
+
+
+def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
+    """(.., TILE, 32) int8 Q8_0 quants -> (.., TILE * 32) uint8 q + 128, by halves: each 64 bytes one half
+    (weights 0..15 or 16..31) of four rows (kernels_gguf.cpp)."""
+    unsigned = (quants.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    halves = unsigned.reshape(*quants.shape[:-2], TILE // 4, 4, 2, 16).transpose(-3, -2)
+    return halves.reshape(*quants.shape[:-2], -1)
+
+
 def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """(N, K / 32 * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / 32, record bytes):
     for each TILE rows and 32-column block, the TILE scales, [the TILE offsets,] the TILE rows' quants
-    (padding rows are zeros)."""
+    (padding rows are zeros; Q8_0's as kernels_gguf.cpp orders them)."""
     block, head = GGUF_BLOCKS[qtype]
     n = raw.shape[0]
     blocks = F.pad(raw.reshape(n, -1, block), (0, 0, 0, 0, 0, -n % TILE))
     tiled = blocks.view(-1, TILE, blocks.shape[1], block).transpose(1, 2)  # (tiles, K / 32, TILE, block)
-    fields = [tiled[..., i:i + 2] for i in range(0, head, 2)] + [tiled[..., head:]]
+    fields = [tiled[..., i:i + 2] for i in range(0, head, 2)]
+    quants = tiled[..., head:]
+    fields.append(_q8_0_halves(quants) if qtype == Q8_0 else quants)
     return torch.cat([f.reshape(*tiled.shape[:2], -1) for f in fields], dim=-1).contiguous()
 
 
@@ -190,9 +203,12 @@ def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torc
     tiles, blocks = packed.shape[:2]
     scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).permute(2, 0, 3, 1, 4)
     scales = scales.contiguous().view(torch.float16).float().reshape(head // 2, -1, blocks, 1)  # (d[, m], rows, ..)
-    q = packed[..., head * TILE:].reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, blocks, -1)
-    if qtype == 8:
-        w = q.view(torch.int8).float() * scales[0]
+    q = packed[..., head * TILE:]
+    if qtype == Q8_0:  # back from _q8_0_halves
+        q = q.reshape(tiles, blocks, TILE // 4, 2, 4, 16).transpose(-3, -2).to(torch.int16) - 128
+    q = q.reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, blocks, -1)
+    if qtype == Q8_0:
+        w = q.float() * scales[0]
     else:
         q = torch.cat((q & 15, q >> 4), dim=-1)
         w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == 2 else scales[0] * q.float() + scales[1]

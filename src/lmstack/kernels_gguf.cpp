@@ -4,7 +4,9 @@
 // 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m); a nibble byte j
 // holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of TILE rows:
 // record (tile, block) = the TILE scales d, [the TILE offsets m,] the TILE rows' quants, so that each thread
-// reads one sequential stream, as matvec_int8 does.
+// reads one sequential stream, as matvec_int8 does. Q8_0's quants are stored as q + 128 (unsigned, as VNNI's
+// first operand must be) and by halves, each 64 bytes holding one half (weights 0..15 or 16..31) of four rows,
+// the shape of four rows' nibble bytes: both types then meet x the same way.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
@@ -37,17 +39,26 @@ constexpr int64_t record_bytes(int64_t type) {
   return type == Q8_0 ? 16 + TILE * 32 : type == Q4_1 ? 32 + TILE * 16 : 16 + TILE * 16;
 }
 constexpr int64_t quants_at(int64_t type) { return type == Q4_1 ? 32 : 16; }
-constexpr int64_t quant_bytes(int64_t type) { return type == Q8_0 ? 32 : 16; }  // of one row's block
+
+// the 16 bytes of row r's quants in a record that hold weights 0..15 (half 0) or 16..31 (half 1): for Q4_0 and
+// Q4_1 the row's nibble bytes (both halves), for Q8_0 the half's bytes
+template <int64_t T>
+inline const uint8_t* row_quants(const uint8_t* rec, int64_t r, int half) {
+  if constexpr (T == Q8_0) return rec + quants_at(T) + (r / 4) * 128 + half * 64 + (r % 4) * 16;
+  return rec + quants_at(T) + r * 16;
+}
 
 inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 // ---- float32 activations: weights dequantized exactly --------------------------------------------
 
-// the 16 weights of one row's block at quants q, half 0 (weights 0..15) or 1 (16..31), as float32
+// the 16 weights of one row's block, half 0 (weights 0..15) or 1 (16..31), at quants q = row_quants(.., half),
+// as float32
 template <int64_t T>
 inline __m512 dequant16(const uint8_t* q, int half, __m512 d, __m512 m) {
   if constexpr (T == Q8_0) {
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * half)))), d);
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), d);
   } else {
     __m128i v = _mm_loadu_si128((const __m128i*)q);
     if (half) v = _mm_srli_epi16(v, 4);
@@ -60,7 +71,7 @@ inline __m512 dequant16(const uint8_t* q, int half, __m512 d, __m512 m) {
 // dot products of one float32 row x (KB * 32) with the TILE rows of one tile (KB records from rec)
 template <int64_t T>
 void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
-  constexpr int64_t R = record_bytes(T), QA = quants_at(T);
+  constexpr int64_t R = record_bytes(T);
   __m512 even[TILE], odd[TILE];
   for (int r = 0; r < TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; b++, rec += R) {
@@ -70,12 +81,12 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
     const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < TILE; r++) {
-      const uint8_t* q = rec + QA + r * quant_bytes(T);
+      const uint8_t* q = row_quants<T>(rec, r, 0);
       const __m512i lane = _mm512_set1_epi32(r);
       const __m512 dr = _mm512_permutexvar_ps(lane, d), mr = _mm512_permutexvar_ps(lane, m);
       if constexpr (T == Q8_0) {
         even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, dr, mr), x0, even[r]);
-        odd[r] = _mm512_fmadd_ps(dequant16<T>(q, 1, dr, mr), x1, odd[r]);
+        odd[r] = _mm512_fmadd_ps(dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr), x1, odd[r]);
       } else {  // the row's 16 possible weights, each computed as dequant16 computes it, looked up by nibble
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512 table = T == Q4_0 ? _mm512_mul_ps(dr, _mm512_sub_ps(iota, _mm512_set1_ps(8)))
@@ -124,82 +135,52 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
   constexpr int64_t R = record_bytes(T), QA = quants_at(T);
   const int64_t K = KB * 32;
   alignas(64) float lanes[16];
-  if constexpr (T == Q8_0) {
-    // four registers of two rows each (lanes 8j..8j+7: row 2 * reg + j); w + 128 is unsigned
-    __m512 acc[MR][4];
-    for (int i = 0; i < MR; i++)
-      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pair[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                             _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
-                             _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
-                             _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
-    for (int64_t b = 0; b < KB; b++, rec += R) {
-      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-      const __m256 d = halves(rec);
-      __m512i w[4];
-      for (int j = 0; j < 4; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(rec + QA + j * 64), flip);
-      for (int i = 0; i < MR; i++) {
-        const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32)));
-        const __m512i corr = _mm512_maskz_set1_epi32(0x0101, -128 * xs[i * KB + b]);
-        const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(xd[i * KB + b])));
-        for (int j = 0; j < 4; j++) {
-          const __m512i dot = _mm512_dpbusd_epi32(corr, w[j], xv);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pair[j], scale), acc[i][j]);
-        }
-      }
-    }
-    for (int i = 0; i < MR; i++)
-      for (int j = 0; j < 4; j++) {
-        _mm512_store_ps(lanes, acc[i][j]);
-        for (int h = 0; h < 2; h++) {
-          float sum = 0;
-          for (int l = 0; l < 8; l++) sum += lanes[8 * h + l];
-          out[i][2 * j + h] = sum;
-        }
-      }
-  } else {
-    // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); low nibbles meet x[0..15], high x[16..31]
-    __m512 acc[MR][2];
-    __m256 offsets[MR];  // Q4_1: sum over blocks of m * d_x * sum(x_q)
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), offsets[i] = _mm256_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                             _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
-    for (int64_t b = 0; b < KB; b++, rec += R) {
-      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-      const __m256 d = halves(rec), m = T == Q4_1 ? halves(rec + 16) : _mm256_setzero_ps();
-      __m512i lo[2], hi[2];
-      for (int j = 0; j < 2; j++) {
+  // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); each row's weights 0..15 (low nibbles,
+  // Q8_0's first halves) meet x[0..15], weights 16..31 (high nibbles, second halves) x[16..31]
+  __m512 acc[MR][2];
+  __m256 offsets[MR];  // Q4_1: sum over blocks of m * d_x * sum(x_q)
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), offsets[i] = _mm256_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                           _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    const __m256 d = halves(rec), m = T == Q4_1 ? halves(rec + 16) : _mm256_setzero_ps();
+    __m512i lo[2], hi[2];
+    for (int j = 0; j < 2; j++) {
+      if constexpr (T == Q8_0) {
+        lo[j] = _mm512_loadu_si512(rec + QA + j * 128), hi[j] = _mm512_loadu_si512(rec + QA + j * 128 + 64);
+      } else {
         const __m512i v = _mm512_loadu_si512(rec + QA + j * 64);
         lo[j] = _mm512_and_si512(v, nib), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
-      for (int i = 0; i < MR; i++) {
-        const int8_t* xb = xq + i * K + b * 32;
-        const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));
-        const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));
-        const int32_t sum = xs[i * KB + b];
-        const __m512i corr = T == Q4_0 ? _mm512_maskz_set1_epi32(0x1111, -8 * sum) : _mm512_setzero_si512();
-        const __m256 xdb = _mm256_set1_ps(xd[i * KB + b]);
-        const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, xdb));
-        if constexpr (T == Q4_1)
-          offsets[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(xdb, _mm256_set1_ps(float(sum))), offsets[i]);
-        for (int j = 0; j < 2; j++) {
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo[j], xlo), hi[j], xhi);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[j], scale), acc[i][j]);
-        }
-      }
     }
     for (int i = 0; i < MR; i++) {
-      alignas(32) float offs[TILE];
-      _mm256_store_ps(offs, offsets[i]);
+      const int8_t* xb = xq + i * K + b * 32;
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));
+      const int32_t sum = xs[i * KB + b];
+      const __m512i corr = T == Q4_1 ? _mm512_setzero_si512()  // the offset m is summed apart
+                                     : _mm512_maskz_set1_epi32(0x1111, (T == Q8_0 ? -128 : -8) * sum);
+      const __m256 xdb = _mm256_set1_ps(xd[i * KB + b]);
+      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, xdb));
+      if constexpr (T == Q4_1)
+        offsets[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(xdb, _mm256_set1_ps(float(sum))), offsets[i]);
       for (int j = 0; j < 2; j++) {
-        _mm512_store_ps(lanes, acc[i][j]);
-        for (int h = 0; h < 4; h++) {
-          float sum = 0;
-          for (int l = 0; l < 4; l++) sum += lanes[4 * h + l];
-          out[i][4 * j + h] = sum + offs[4 * j + h];
-        }
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo[j], xlo), hi[j], xhi);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[j], scale), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    alignas(32) float offs[TILE];
+    _mm256_store_ps(offs, offsets[i]);
+    for (int j = 0; j < 2; j++) {
+      _mm512_store_ps(lanes, acc[i][j]);
+      for (int h = 0; h < 4; h++) {
+        float sum = 0;
+        for (int l = 0; l < 4; l++) sum += lanes[4 * h + l];
+        out[i][4 * j + h] = sum + offs[4 * j + h];
       }
     }
   }
@@ -321,10 +302,9 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
           alignas(32) float d[TILE], m[TILE] = {};
           _mm256_store_ps(d, halves(rec));
           if constexpr (T == Q4_1) _mm256_store_ps(m, halves(rec + 16));
-          const uint8_t* q = rec + quants_at(T) + r * quant_bytes(T);
           const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-          _mm512_storeu_ps(op + i * K + b * 32, dequant16<T>(q, 0, dr, mr));
-          _mm512_storeu_ps(op + i * K + b * 32 + 16, dequant16<T>(q, 1, dr, mr));
+          _mm512_storeu_ps(op + i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
+          _mm512_storeu_ps(op + i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
         }
       }
     });
