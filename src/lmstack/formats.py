@@ -10,7 +10,7 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16_tiled|
 | int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
 | int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
-| gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec, all |
+| gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec      |
 
 gguf keeps a GGUF file's tensors as stored (CPU only): Q8_0, Q4_0 and Q4_1 blocks (8.5, 4.5, 5 bits a weight)
 regrouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly), any other type as the
@@ -20,9 +20,10 @@ each part as its type and concatenates. The arithmetic of the blocks, per profil
   fp32: each weight dequantized exactly as gguf.quants.dequantize does (d * q, d * (q - 8), d * q + m in float32),
         multiplied with float32 x and summed in float32; for many rows (prefill) the dequantized float32 matrix
         goes to F.linear.
-  bf16: llama.cpp's arithmetic: each 32 columns of x quantized to int8 (q = rint(x * 127 / amax), float32 scale
-        amax / 127), the block's integer dot product summed exactly (AVX512-VNNI), times the two scales, summed in
-        float32, for any number of rows (as fast as a bfloat16 GEMM on many: 64 products a VNNI instruction).
+  bf16: llama.cpp's arithmetic on a few rows: each 32 columns of x quantized to int8 (q = rint(x * 127 / amax),
+        float32 scale amax / 127), the block's integer dot product summed exactly (AVX512-VNNI), times the two
+        scales, summed in float32. For many rows (a prefill) the weights dequantized and rounded to bfloat16 go
+        to F.linear, a bfloat16 GEMM (oneDNN's, on AMX where the CPU has it: 5x the VNNI kernel on 512 rows).
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -306,17 +307,16 @@ class GGUFBlocks(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: lmstack's block kernels, for float32 x on a few rows (for many, a dense float32
-        matmul on the exactly dequantized weights); for bfloat16 x on any number (integer dot products, 64 a VNNI
-        instruction, outrun dequantizing and a bfloat16 GEMM)."""
-        few = x.numel() <= GGUF_KERNEL_ROWS * self.k or x.dtype == torch.bfloat16
-        if self.kernel and (few or _row_invariant()):
+        """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a dense matmul on the
+        weights dequantized in x's dtype (exactly in float32, rounded in bfloat16)."""
+        if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or _row_invariant()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
-        return F.linear(x, self.dense().to(x.dtype))
+        return F.linear(x, self.dense(dtype=x.dtype))
 
-    def dense(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The weights (or rows of them) as float32, bit-equal to gguf.quants.dequantize."""
-        return kernels.gguf_dequantize(self.weight, self.qtype, self.n, self.k, rows)
+    def dense(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights (or rows of them) as float32, bit-equal to gguf.quants.dequantize (or those values rounded
+        to bfloat16)."""
+        return kernels.gguf_dequantize(self.weight, self.qtype, self.n, self.k, rows, dtype)
 
     def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
         return KernelCall("gguf", self.weight, n=self.n, qtype=self.qtype) if self.kernel else None

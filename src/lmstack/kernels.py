@@ -195,10 +195,12 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
     return torch.ops.lmstack.gguf_matvec(x, packed, qtype, n, bias)
 
 
-def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None):
-    """Rows of pack_gguf's blocks (all n, or `rows`) as float32, bit-equal to gguf.quants.dequantize."""
+def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32):
+    """Rows of pack_gguf's blocks (all n, or `rows`) as float32, bit-equal to gguf.quants.dequantize (or those
+    values rounded to bfloat16)."""
     if available():
-        return torch.ops.lmstack.gguf_dequantize(packed, qtype, n, k, rows)
+        return torch.ops.lmstack.gguf_dequantize(packed, qtype, n, k, rows, dtype)
     block, head = GGUF_BLOCKS[qtype]
     tiles, blocks = packed.shape[:2]
     scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).permute(2, 0, 3, 1, 4)
@@ -213,4 +215,4 @@ def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torc
         q = torch.cat((q & 15, q >> 4), dim=-1)
         w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == 2 else scales[0] * q.float() + scales[1]
     w = w.reshape(tiles * TILE, k)[:n]
-    return w if rows is None else w[rows]
+    return (w if rows is None else w[rows]).to(dtype)

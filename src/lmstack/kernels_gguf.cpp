@@ -271,9 +271,10 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
 }
 
 // Rows `rows` (int64, any shape; None: every row) of packed blocks w dequantized to float32, exactly as
-// gguf.quants.dequantize gives them: shape rows.shape + (K,)
+// gguf.quants.dequantize gives them, or those values rounded to bfloat16: shape rows.shape + (K,)
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t K,
-                           const std::optional<at::Tensor>& rows_) {
+                           const std::optional<at::Tensor>& rows_, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_dequantize: dtype must be float32 or bfloat16");
   check_packed(w, type, N, K);
   at::Tensor rows;
   std::vector<int64_t> shape;
@@ -285,13 +286,20 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
     shape.push_back(N);
   }
   shape.push_back(K);
-  at::Tensor out = at::empty(shape, w.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(shape, w.options().dtype(dtype));
   const int64_t count = out.numel() / std::max<int64_t>(K, 1), KB = K / 32, R = record_bytes(type);
   const int64_t* rp = rows_.has_value() ? rows.data_ptr<int64_t>() : nullptr;
   if (rp)
     for (int64_t i = 0; i < count; i++) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "gguf_dequantize: row ", rp[i], " of ", N);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  float* op = out.data_ptr<float>();
+  const bool bf16 = dtype == at::kBFloat16;
+  char* op = static_cast<char*>(out.data_ptr());
+  const auto store = [&](int64_t at, __m512 v) {  // 16 values from element `at` of out
+    if (bf16)
+      _mm256_storeu_si256((__m256i*)(op + 2 * at), (__m256i)_mm512_cvtneps_pbh(v));
+    else
+      _mm512_storeu_ps((float*)op + at, v);
+  };
   with_gguf_type(type, [&]<int64_t T>() {
     const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
@@ -303,8 +311,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
           _mm256_store_ps(d, halves(rec));
           if constexpr (T == Q4_1) _mm256_store_ps(m, halves(rec + 16));
           const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-          _mm512_storeu_ps(op + i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
-          _mm512_storeu_ps(op + i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
+          store(i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
+          store(i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
         }
       }
     });
@@ -316,5 +324,6 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gguf_matvec(Tensor x, Tensor w, int type, int n, Tensor? bias) -> Tensor", gguf_matvec);
-  m.def("gguf_dequantize(Tensor w, int type, int n, int k, Tensor? rows) -> Tensor", gguf_dequantize);
+  m.def("gguf_dequantize(Tensor w, int type, int n, int k, Tensor? rows, ScalarType dtype) -> Tensor",
+        gguf_dequantize);
 }
