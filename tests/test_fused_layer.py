@@ -1,5 +1,6 @@
-"""The fused block (kernels_layer.cpp, TransformerBlock._fused): one call per layer gives bit for bit what the
-block's Python code gives, decode steps and paged engine steps alike, for every weight format and family.
+"""The fused blocks (kernels_layer.cpp): one call per layer (TransformerBlock.fused_layer), or one for the whole
+stack (CausalLM._fused_stack), gives bit for bit what the blocks' Python code gives, decode steps and paged engine
+steps alike, for every weight format and family.
 
 The oracle is the same model with the fused path switched off, run beside it in the same test.
 """
@@ -20,7 +21,7 @@ FAMILIES = ["llama", "llama_tied_gqa", "llama_bias", "mistral_window", "qwen2_sl
 def unfused(monkeypatch):
     """Within it, every block runs its Python code."""
     def off():
-        monkeypatch.setattr(TransformerBlock, "_fused", lambda self, x, ctx: None)
+        monkeypatch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)
     return off
 
 
@@ -39,6 +40,10 @@ def fused_layers(lm) -> int:
     return sum(getattr(block, "_layer", (None, None))[1] is not None for block in lm.blocks)
 
 
+def stacked(lm) -> bool:
+    return getattr(lm, "_stack", (None, None))[1] is not None
+
+
 @needs_kernels
 @pytest.mark.parametrize("weight_format, profile", [("float32", None), ("bfloat16", None), ("bfloat16", "bf16"),
                                                     ("int8", None), ("int8", "bf16"), ("int4", "bf16")])
@@ -46,7 +51,7 @@ def fused_layers(lm) -> int:
 def test_fused_decode_steps_equal_the_blocks_python(tiny_checkpoint, unfused, name, weight_format, profile):
     lm = CausalLM.load(tiny_checkpoint(name)[0], weight_format=weight_format, numeric_profile=profile, device="cpu")
     got = decode_logits(lm, rows=2)
-    assert fused_layers(lm) == len(lm.blocks)
+    assert fused_layers(lm) == len(lm.blocks) and stacked(lm)
     unfused()
     assert torch.equal(got, decode_logits(lm, rows=2))
 
@@ -60,7 +65,7 @@ def test_fused_decode_of_gguf_blocks_equals_the_blocks_python(tiny_checkpoint, t
     write_gguf(tmp_path / "m.gguf", tiny_checkpoint("llama_tied_gqa")[1], qtype=gguf.GGMLQuantizationType[qtype])
     lm = CausalLM.load(tmp_path / "m.gguf", weight_format="gguf", numeric_profile=profile, device="cpu")
     got = decode_logits(lm)
-    assert fused_layers(lm) == len(lm.blocks)
+    assert fused_layers(lm) == len(lm.blocks) and stacked(lm)
     unfused()
     assert torch.equal(got, decode_logits(lm))
 
@@ -86,4 +91,5 @@ def test_fused_paged_steps_equal_the_blocks_python(tiny_checkpoint, unfused, nam
 def test_a_masked_or_many_row_step_is_not_fused(tiny_checkpoint):
     lm = CausalLM.load(tiny_checkpoint("llama")[0], weight_format="bfloat16", numeric_profile="bf16", device="cpu")
     lm.generate([[1, 2, 3], [4, 5]], 3)  # ragged rows: left padding needs a mask every step
-    assert fused_layers(lm) == 0
+    lm.generate(torch.zeros(9, 3, dtype=torch.long), 3)  # more rows than the kernels take
+    assert fused_layers(lm) == 0 and not stacked(lm)

@@ -144,6 +144,21 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
+// Every block of a model, for a decode step in which none is masked: one call from Python for the whole stack.
+struct Stack : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<Layer>> layers;
+
+  void add(c10::intrusive_ptr<Layer> layer) { layers.push_back(std::move(layer)); }
+
+  Tensor decode(Tensor x, Tensor cos, Tensor sin, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
+                int64_t start) {
+    TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "fused stack: ",
+                layers.size(), " layers, ", k_caches.size(), " and ", v_caches.size(), " caches");
+    for (size_t i = 0; i < layers.size(); i++) x = layers[i]->decode(x, cos, sin, k_caches[i], v_caches[i], start);
+    return x;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
@@ -153,4 +168,5 @@ TORCH_LIBRARY_FRAGMENT(lmstack, m) {
       .def("set_qk_norms", &Layer::set_qk_norms)
       .def("decode", &Layer::decode)
       .def("paged", &Layer::paged);
+  m.class_<Stack>("Stack").def(torch::init<>()).def("add", &Stack::add).def("decode", &Stack::decode);
 }

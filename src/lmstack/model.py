@@ -699,15 +699,35 @@ class CausalLM:
         where lookup.exact_verification allows it): each token gets the logits a one-token step would give it."""
         x = self._embed(ids.to(self.device))
         ctx = self._context(ids.shape, state, alone)
-        for i, block in enumerate(self.blocks):
-            if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
-                x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
-            x = block(x, None if state is None else state.layers[i], ctx)
+        if state is not None and (stack := self._fused_stack(x, ctx)) is not None:
+            x = stack.decode(x, ctx.cos, ctx.sin, [c.k for c in state.layers], [c.v for c in state.layers], ctx.start)
+        else:
+            for i, block in enumerate(self.blocks):
+                if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device
+                    x, ctx = x.to(self.layer_devices[i]), _moved(ctx, self.layer_devices[i])
+                x = block(x, None if state is None else state.layers[i], ctx)
         if state is not None:
             state.length += ids.shape[1]
         if last_only:
             x = x[:, -1:]
         return self._logits(x)
+
+    def _fused_stack(self, x: torch.Tensor, ctx):
+        """Every block in one call (kernels_layer.cpp's Stack) for a decode step in which each block would take its
+        fused path (TransformerBlock.fusable: no layer masked) on one device; made once per dtype."""
+        if (self.rotary is None or x.shape[1] != 1 or ctx.alone or any(m is not None for m in ctx.masks.values())
+                or len(set(self.layer_devices)) > 1 or not self.blocks[0].fusable(x, ctx)):
+            return None
+        stacked = getattr(self, "_stack", None)
+        if stacked is None or stacked[0] != x.dtype:
+            layers = [block.fused_layer(x.dtype) for block in self.blocks]
+            stack = None
+            if all(layer is not None for layer in layers):
+                stack = torch.classes.lmstack.Stack()
+                for layer in layers:
+                    stack.add(layer)
+            self._stack = stacked = (x.dtype, stack)
+        return stacked[1]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows for ids, in the model's dtype (under gguf, dequantized from the file's blocks)."""

@@ -198,7 +198,7 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
-        if cache is not None and (layer := self._fused(x, ctx)) is not None:
+        if cache is not None and self.fusable(x, ctx) and (layer := self.fused_layer(x.dtype)) is not None:
             if isinstance(ctx, PagedContext):
                 return layer.paged(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots, ctx.tables, ctx.seqs,
                                    ctx.positions)
@@ -206,18 +206,21 @@ class TransformerBlock(nn.Module):
         h = x + self.attn(self.attn_norm(x), cache, ctx)
         return h + self.mlp(self.mlp_norm(h))
 
-    def _fused(self, x: torch.Tensor, ctx) -> torch.ScriptObject | None:
-        """The whole block as one call of lmstack's kernels (kernels_layer.cpp), where forward would call only
-        kernels for these rows: a decode step (one new token per row, no mask) or a paged step."""
+    def fusable(self, x: torch.Tensor, ctx) -> bool:
+        """Whether forward calls only lmstack's kernels for these rows, so that one fused call can stand for it:
+        a decode step (one new token per row, no mask) or a paged step."""
         few = x.shape[0] * x.shape[1] <= formats.MATVEC_ROWS or formats._row_invariant()
         if not few or not kernels.usable(x):
-            return None
-        if isinstance(ctx, AttentionContext) and (x.shape[1] != 1 or ctx.alone or ctx.masks[self.attn.window]
-                                                  is not None):
-            return None
+            return False
+        return isinstance(ctx, PagedContext) or (x.shape[1] == 1 and not ctx.alone and
+                                                 ctx.masks[self.attn.window] is None)
+
+    def fused_layer(self, dtype: torch.dtype) -> torch.ScriptObject | None:
+        """The whole block as one call of lmstack's kernels (kernels_layer.cpp's Layer), made once per dtype;
+        None where a part has no kernel."""
         fused = getattr(self, "_layer", None)
-        if fused is None or fused[0] != x.dtype:
-            self._layer = fused = (x.dtype, self._build_fused(x.dtype))
+        if fused is None or fused[0] != dtype:
+            self._layer = fused = (dtype, self._build_fused(dtype))
         return fused[1]
 
     def _build_fused(self, dtype: torch.dtype) -> torch.ScriptObject | None:
