@@ -82,7 +82,7 @@ def test_fused_paged_steps_equal_the_blocks_python(tiny_checkpoint, unfused, nam
         return [list(h) for h in handles]
 
     got = serve()
-    assert fused_layers(lm) == len(lm.blocks)
+    assert fused_layers(lm) == len(lm.blocks) and stacked(lm)
     unfused()
     assert serve() == got
 

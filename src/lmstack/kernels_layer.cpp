@@ -144,7 +144,7 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
-// Every block of a model, for a decode step in which none is masked: one call from Python for the whole stack.
+// Every block of a model, for a decode step in which none is masked or a paged step: one call from Python.
 struct Stack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<Layer>> layers;
 
@@ -155,6 +155,15 @@ struct Stack : torch::CustomClassHolder {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "fused stack: ",
                 layers.size(), " layers, ", k_caches.size(), " and ", v_caches.size(), " caches");
     for (size_t i = 0; i < layers.size(); i++) x = layers[i]->decode(x, cos, sin, k_caches[i], v_caches[i], start);
+    return x;
+  }
+
+  Tensor paged(Tensor x, Tensor cos, Tensor sin, std::vector<Tensor> k_pools, std::vector<Tensor> v_pools,
+               Tensor slots, Tensor tables, Tensor seqs, Tensor positions) {
+    TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "fused stack: ",
+                layers.size(), " layers, ", k_pools.size(), " and ", v_pools.size(), " pools");
+    for (size_t i = 0; i < layers.size(); i++)
+      x = layers[i]->paged(x, cos, sin, k_pools[i], v_pools[i], slots, tables, seqs, positions);
     return x;
   }
 };
@@ -168,5 +177,9 @@ TORCH_LIBRARY_FRAGMENT(lmstack, m) {
       .def("set_qk_norms", &Layer::set_qk_norms)
       .def("decode", &Layer::decode)
       .def("paged", &Layer::paged);
-  m.class_<Stack>("Stack").def(torch::init<>()).def("add", &Stack::add).def("decode", &Stack::decode);
+  m.class_<Stack>("Stack")
+      .def(torch::init<>())
+      .def("add", &Stack::add)
+      .def("decode", &Stack::decode)
+      .def("paged", &Stack::paged);
 }

@@ -534,8 +534,11 @@ class CausalLM:
         x = self._embed(ids)[None]
         cos, sin = self.rotary(positions[None], self.dtype)
         ctx = PagedContext(cos, sin, slots, tables, seqs, positions)
-        for block, layer_pages in zip(self.blocks, pages):
-            x = block(x, layer_pages, ctx)
+        if (stack := self._fused_stack(x, ctx)) is not None:
+            x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions)
+        else:
+            for block, layer_pages in zip(self.blocks, pages):
+                x = block(x, layer_pages, ctx)
         return self._logits(x[:, rows]).float()[0]
 
     def reset_state(self, state: CausalLMState) -> CausalLMState:
@@ -713,10 +716,12 @@ class CausalLM:
         return self._logits(x)
 
     def _fused_stack(self, x: torch.Tensor, ctx):
-        """Every block in one call (kernels_layer.cpp's Stack) for a decode step in which each block would take its
-        fused path (TransformerBlock.fusable: no layer masked) on one device; made once per dtype."""
-        if (self.rotary is None or x.shape[1] != 1 or ctx.alone or any(m is not None for m in ctx.masks.values())
-                or len(set(self.layer_devices)) > 1 or not self.blocks[0].fusable(x, ctx)):
+        """Every block in one call (kernels_layer.cpp's Stack) for a step in which each block would take its fused
+        path (TransformerBlock.fusable: a paged step, or a decode step with no layer masked) on one device; made
+        once per dtype."""
+        if self.rotary is None or len(set(self.layer_devices)) > 1 or not self.blocks[0].fusable(x, ctx):
+            return None
+        if isinstance(ctx, AttentionContext) and any(m is not None for m in ctx.masks.values()):
             return None
         stacked = getattr(self, "_stack", None)
         if stacked is None or stacked[0] != x.dtype:
