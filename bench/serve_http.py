@@ -10,8 +10,8 @@ seconds apart on the same machine. The "newcomer" row is the time to first token
 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
 this process, without HTTP.
 
-llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the default model's weights requantized to
-BF16 by `llama-quantize` (found beside it), `--threads` threads and one slot per client of the largest level:
+llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/decode.py's
+cached file), `--threads` threads and one slot per client of the largest level:
 
     python bench/serve_http.py --llama-server /work/llama-build/build/bin/llama-server
 """
@@ -202,13 +202,21 @@ def start_lmstack(args, env) -> tuple:
     return process, port
 
 
-def start_llama_server(binary: Path, gguf: Path, workdir: Path, args, env) -> tuple:
-    quantize = binary.parent / "llama-quantize"
-    weights = gguf
-    if quantize.exists():
-        weights = workdir / "model-BF16.gguf"
-        subprocess.run([str(quantize), "--allow-requantize", str(gguf), str(weights), "BF16", "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def bf16_weights(model: str) -> Path:
+    """The model's GGUF in BF16, made once by bench/decode.py's quantizer and kept between runs."""
+    from decode import cache_dir, quantized_ggufs
+    from lmstack.models import resolve
+
+    try:
+        import llama_cpp  # noqa: F401
+        has_llama_cpp = True
+    except ImportError:
+        has_llama_cpp = False
+    source = resolve(model)
+    return quantized_ggufs(source, cache_dir(source), has_llama_cpp)["BF16"]
+
+
+def start_llama_server(binary: Path, weights: Path, workdir: Path, args, env) -> tuple:
     slots = max(args.clients)
     port = free_port()
     command = [str(binary), "-m", str(weights), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
@@ -245,9 +253,7 @@ def main():
         try:
             servers["lmstack"] = start_lmstack(args, env)[:2]
             if args.llama_server and Path(args.llama_server).exists():
-                from lmstack.models import resolve
-
-                process, port, weights = start_llama_server(Path(args.llama_server), resolve(args.model),
+                process, port, weights = start_llama_server(Path(args.llama_server), bf16_weights(args.model),
                                                             Path(workdir), args, env)
                 servers["llama-server"] = process, port
                 print(f"llama-server: {args.llama_server} on {weights.name}, {args.threads} threads, "
