@@ -1,5 +1,7 @@
 """Decode threads sized to the free cores: the rule on given measurements, and decoding that does not change."""
 
+import threading
+
 import torch
 
 from lmstack import CausalLM, threads
@@ -58,5 +60,22 @@ def test_decoding_gives_the_same_tokens_while_threads_change(tiny_checkpoint, mo
         monkeypatch.setattr(Threads, "adapt", lambda self: torch.set_num_threads(next(counts)))
         assert torch.equal(lm.generate(prompt, 12), steady)
         assert torch.get_num_threads() == 2  # restored after the decode
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_thread_that_lets_its_team_go_leaves_the_others_computing():
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    expected = a @ a
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        results = []
+        other = threading.Thread(target=lambda: results.extend(torch.allclose(a @ a, expected) for _ in range(20)))
+        other.start()
+        threads.release_team()
+        other.join()
+        assert results == [True] * 20
+        assert torch.allclose(a @ a, expected)  # the caller's team comes back when it computes again
     finally:
         torch.set_num_threads(before)

@@ -10,7 +10,7 @@ import torch
 
 from .. import memory
 from ..sampling import Sampler, TextStream
-from ..threads import Threads
+from ..threads import Threads, release_team
 from .kv_cache import BlockPool
 from .runner import Runner
 from .scheduler import Scheduler, Seq
@@ -244,10 +244,16 @@ class Engine:
         return self._thread is not None
 
     def start(self):
-        """Step in a background thread from now on (without it, iterating a handle steps in the caller's thread)."""
+        """Step in a background thread from now on (without it, iterating a handle steps in the caller's thread).
+
+        The caller's OpenMP threads (those that loaded the model) are let go, so that the stepping thread's are
+        the only ones (threads.release_team).
+        """
         if self._closed:
             raise EngineError("the engine is closed")
         if self._thread is None:
+            if self.model.device.type == "cpu":
+                release_team()
             self._thread = threading.Thread(target=self._loop, name="lmstack-engine", daemon=True)
             self._thread.start()
         return self
