@@ -376,9 +376,8 @@ class Engine:
                 self._handles[handle._seq] = handle
                 self.scheduler.add(handle._seq)
             for handle in aborts:
-                if self._handles.pop(handle._seq, None) is not None:
-                    self.scheduler.remove(handle._seq)
-                    handle._finish("abort")
+                if handle._seq in self._handles:
+                    self._end(handle, "abort")
             try:
                 self._run(self.scheduler.schedule())
             except Exception as error:  # the model failed: every request in flight ends with it
@@ -404,8 +403,10 @@ class Engine:
                 self._end(handle, reason)
 
     def _end(self, handle: Handle, reason: str, error: EngineError | None = None):
+        """Drop a request; the stats count it gone before its caller can see it finish."""
         self._handles.pop(handle._seq, None)
         self.scheduler.remove(handle._seq)
+        self._publish()
         handle._finish(reason, error)
 
     def _publish(self):
@@ -420,6 +421,6 @@ class Engine:
             self._stats = stats
 
     def stats(self) -> dict:
-        """Counts as of the last step (requests added since are counted as waiting)."""
+        """Counts as of the last step or the last request to end (requests added since are counted as waiting)."""
         with self._lock:
             return {**self._stats, "waiting": self._stats["waiting"] + len(self._incoming)}
