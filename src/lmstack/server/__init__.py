@@ -5,6 +5,7 @@
     serve(load, service, host="127.0.0.1", port=8000)   # uvicorn until Ctrl-C or SIGTERM
 """
 
+import gc
 import logging
 import signal
 import threading
@@ -20,10 +21,12 @@ log = logging.getLogger("lmstack.server")
 def serve(load, service: Service, *, host: str = "127.0.0.1", port: int = 8000, engine_options=None):
     """Serve on host:port until Ctrl-C or SIGTERM, answering (/health: 503) while the model loads.
 
-    `load()` -> (model, tokenizer) runs in this (the main) thread while uvicorn serves from another: with
-    the model loaded in a helper thread, the engine's steps ran 20x slower on a 2-core machine (PyTorch's
-    thread pools). On Ctrl-C or SIGTERM the engine closes first, so every request in flight ends at once
-    (streams with an error event), then uvicorn stops; during the load they stop the process as usual.
+    `load()` -> (model, tokenizer) runs in this (the main) thread while uvicorn serves from another; then this
+    thread only waits, and the engine's computes alone (Engine.start lets go of this thread's OpenMP workers).
+    What the load made lives until exit, so it is frozen out of the garbage collector: a full collection of its
+    objects took 60 ms for SmolLM2, holding the GIL, which the engine's thread needs between operators. On
+    Ctrl-C or SIGTERM the engine closes first, so every request in flight ends at once (streams with an error
+    event), then uvicorn stops; during the load they stop the process as usual.
     """
     import uvicorn
 
@@ -38,6 +41,7 @@ def serve(load, service: Service, *, host: str = "127.0.0.1", port: int = 8000, 
     log.info("loading %r; http://%s:%d/health answers 503 until it is ready", service.name, host, port)
     try:
         service.load(*load(), **(engine_options or {}))
+        gc.freeze()
         log.info("serving %r on http://%s:%d/v1", service.name, host, port)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
