@@ -72,7 +72,8 @@ def row_invariant():
         _ROW_INVARIANT.on = previous
 
 
-def _row_invariant() -> bool:
+def row_invariant_active() -> bool:
+    """Whether this thread is within row_invariant()."""
     return getattr(_ROW_INVARIANT, "on", False)
 
 
@@ -176,7 +177,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if self.kernel and (rows <= INT8_KERNEL_ROWS or _row_invariant()):
+        if self.kernel and (rows <= INT8_KERNEL_ROWS or row_invariant_active()):
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
         if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
@@ -248,7 +249,7 @@ class MatvecLinear(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
-        if self.kernel and (x.numel() <= MATVEC_ROWS * self.shape[1] or _row_invariant()):
+        if self.kernel and (x.numel() <= MATVEC_ROWS * self.shape[1] or row_invariant_active()):
             if x.dtype == torch.float32:
                 return kernels.matvec_f32(x, self.weight, self.bias)
             if self.tiled:
@@ -309,7 +310,7 @@ class GGUFBlocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a dense matmul on the
         weights dequantized in x's dtype (exactly in float32, rounded in bfloat16)."""
-        if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or _row_invariant()):
+        if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
         return F.linear(x, self.dense(dtype=x.dtype))
 

@@ -209,7 +209,7 @@ class TransformerBlock(nn.Module):
     def fusable(self, x: torch.Tensor, ctx) -> bool:
         """Whether forward calls only lmstack's kernels for these rows, so that one fused call can stand for it:
         a decode step (one new token per row, no mask) or a paged step."""
-        few = x.shape[0] * x.shape[1] <= formats.MATVEC_ROWS or formats._row_invariant()
+        few = x.shape[0] * x.shape[1] <= formats.MATVEC_ROWS or formats.row_invariant_active()
         if not few or not kernels.usable(x):
             return False
         return isinstance(ctx, PagedContext) or (x.shape[1] == 1 and not ctx.alone and
