@@ -93,6 +93,35 @@ def test_int4_groups_are_within_half_a_step(llama):
     assert (error <= step[..., None] * (0.5 + 2**-7) + 1e-3).all()  # the kernel's bfloat16 output
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the int4 dequantizer is one of lmstack's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [192, 960, 48])  # 64-row blocks, and one block of row pairs
+def test_int4_many_rows_multiply_the_weights_pytorch_int4_kernel_uses(n, dtype):
+    """A prefill's rows go through one GEMM on the weights dequantized from PyTorch's packed layout: the very
+    values its int4 kernel multiplies (to one rounding of dtype), and the same products up to summation order."""
+    torch.manual_seed(n)
+    linear = nn.Linear(96, n)
+    module = Int4Linear(linear, dtype)
+    assert module.dequantizes
+    unit = torch.eye(96, dtype=dtype)
+    theirs, ours = module._matmul(unit).float(), module._dequantized(dtype).float()
+    step = 2 ** -23 if dtype == torch.float32 else 2 ** -8
+    assert ((ours - theirs).abs() <= step * theirs.abs() + 1e-30).all()
+    x = torch.randn(40, 96, dtype=dtype)
+    many, few = module(x), torch.cat([module(x[i:i + 8]) for i in range(0, 40, 8)])  # 40 rows: dequantized
+    assert relative_delta(many.float(), few.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_an_int4_packed_layout_read_wrong_keeps_pytorch_int4_kernel(monkeypatch):
+    """The packed layout is PyTorch's, no public contract: where the dequantizer's values are not its kernel's
+    (here: a dequantizer that reads it all wrong), every row goes through PyTorch's kernel."""
+    monkeypatch.setattr(kernels, "int4pack_dequantize_t", lambda packed, sz, n, k, dtype: torch.ones(k, n, dtype=dtype))
+    module = Int4Linear(nn.Linear(64, 96), torch.bfloat16)
+    assert not module.dequantizes
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert torch.equal(module(x), module._matmul(x) + module.bias)
+
+
 @pytest.mark.parametrize("weight_format, profile, words", [
     ("int3", None, "weight_format 'int3'"),
     ("float32", "fp16", "numeric_profile 'fp16'"),

@@ -9,7 +9,7 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | float32       | 4            | fp32      | kernels.matvec_f32 / F.linear               | -                        |
 | bfloat16      | 2            | fp32, bf16| kernels.matvec_f32 / F.linear on widened w  | kernels.matvec_bf16_tiled|
 | int8          | 1            | fp32, bf16| kernels.matvec_int8 / dequantized F.linear  | kernels.matvec_int8      |
-| int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu           | the same                 |
+| int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu / dequant.| the same                 |
 | gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec      |
 
 gguf keeps a GGUF file's tensors as stored (CPU only): Q8_0, Q4_0 and Q4_1 blocks (8.5, 4.5, 5 bits a weight)
@@ -54,6 +54,7 @@ QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
+INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 
 
@@ -213,7 +214,8 @@ class Int4Linear(nn.Module):
         self.scales_zeros = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], -1).transpose(0, 1)
         self.scales_zeros = self.scales_zeros.contiguous().to(compute)  # bfloat16 values: exact in float32
         self.bias = None if linear.bias is None else linear.bias.detach().to(compute)
-        self.in_features = k
+        self.in_features, self.out_features = k, n
+        self.dequantizes = kernels.available() and self._dequantized_matches()
 
     row_invariant = True  # PyTorch's int4 CPU kernel sums each row alike whatever the rows (tests/test_lookup.py)
 
@@ -224,11 +226,31 @@ class Int4Linear(nn.Module):
     def _matmul(self, x):
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_zeros)
 
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights transposed, (in, out), dequantized in dtype from PyTorch's packed layout (kernels_int4.cpp)."""
+        return kernels.int4pack_dequantize_t(self.weight, self.scales_zeros, self.out_features, self.in_features,
+                                             dtype)
+
+    def _dequantized_matches(self) -> bool:
+        """Whether kernels_int4.cpp reads this PyTorch's packed layout (no public contract): its values in the
+        first and last 32 columns against PyTorch's own kernel times those unit vectors, to one bfloat16 step."""
+        k = self.in_features
+        columns = torch.cat([torch.arange(INT4_GROUP), torch.arange(k - INT4_GROUP, k)]).unique()
+        unit = torch.eye(k, dtype=self.scales_zeros.dtype, device=self.weight.device)[columns]
+        theirs = self._matmul(unit).float()
+        ours = self._dequantized(self.scales_zeros.dtype)[columns].float()
+        return torch.allclose(ours, theirs, rtol=2 ** -7, atol=1e-6 * float(theirs.abs().max()))
+
     def kernel_call(self, dtype: torch.dtype) -> KernelCall:
         return KernelCall("int4", self.weight, self.scales_zeros, bias_after=self.bias)
 
     def forward(self, x):
-        y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        """PyTorch's int4 kernel on a few rows; on many (a prefill), the weights dequantized in x's dtype for one
+        GEMM (oneDNN's, on AMX where the CPU has it), which reads them once instead of once a row."""
+        if self.dequantizes and x.numel() > INT4_KERNEL_ROWS * self.in_features and not row_invariant_active():
+            y = x @ self._dequantized(x.dtype)
+        else:
+            y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 

@@ -28,7 +28,7 @@ STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-fopenmp"]
-SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp")
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -155,6 +155,12 @@ def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int) -> 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
     return torch.ops.lmstack.silu_mul(gate_up)
+
+
+def int4pack_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int, dtype: torch.dtype):
+    """The (k, n) transposed weights of PyTorch's int4 packed layout, (q - 8) * scale + zero in dtype (float32, or
+    those values rounded to bfloat16): for one GEMM over many rows (kernels_int4.cpp)."""
+    return torch.ops.lmstack.int4pack_dequantize_t(packed, scales_zeros, n, k, dtype)
 
 
 # ---- GGUF blocks as stored (kernels_gguf.cpp) ----------------------------------------------------

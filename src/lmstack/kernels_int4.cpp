@@ -1,0 +1,84 @@
+// weight_format "int4" (formats.py's Int4Linear) dequantized for a prefill: PyTorch's int4 CPU kernel reads its
+// packed weights once per row of x, so many rows go faster as one bfloat16 GEMM on the weights dequantized.
+//
+// The packed layout is PyTorch's (torch._convert_weight_to_int4pack_for_cpu, (N, K / 2) uint8): for N a multiple
+// of 64, blocks of 64 rows, each K columns of 32 bytes, byte j holding rows j (low nibble) and j + 32 (high);
+// otherwise K columns of N / 2 bytes, byte j holding rows 2j (low) and 2j + 1 (high). It is no public contract:
+// Int4Linear checks the values against PyTorch's own kernel before using them, and keeps that kernel otherwise.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // formats.py's INT4_GROUP: one scale and zero per 32 columns of a row
+constexpr int64_t BLOCK = 64;  // rows per block of the packed layout
+
+// The transposed weights wt[k, n] = (q[n, k] - 8) * scale[k / GROUP, n] + zero[k / GROUP, n], (K, N) in dtype
+// (float32, or those values rounded to bfloat16): a 64-row block's column k is 32 bytes, 64 consecutive outputs
+at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t N, int64_t K,
+                                 at::ScalarType dtype) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
+                  K % GROUP == 0 && N % 2 == 0,
+              "int4pack_dequantize_t: packed must be (", N, ", ", K / 2, ") uint8");
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / GROUP && scales_zeros.size(1) == N &&
+                  scales_zeros.size(2) == 2,
+              "int4pack_dequantize_t: scales_zeros must be (", K / GROUP, ", ", N, ", 2)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int4pack_dequantize_t: dtype float32 or bfloat16");
+  const at::Tensor scales = scales_zeros.select(2, 0).to(at::kFloat).contiguous();  // (K / GROUP, N)
+  const at::Tensor zeros = scales_zeros.select(2, 1).to(at::kFloat).contiguous();
+  const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({K, N}, packed.options().dtype(dtype));
+  const bool bf16 = dtype == at::kBFloat16;
+  char* op = static_cast<char*>(out.data_ptr());
+  const auto store = [&](int64_t at, __m512 v) {  // 16 values from element `at` of out
+    if (bf16)
+      _mm256_storeu_si256((__m256i*)(op + 2 * at), (__m256i)_mm512_cvtneps_pbh(v));
+    else
+      _mm512_storeu_ps((float*)op + at, v);
+  };
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512i eight = _mm512_set1_epi32(8);
+  at::parallel_for(0, K, std::max<int64_t>(1, (1 << 15) / N), [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; k++) {
+      const float *s = sp + (k / GROUP) * N, *z = zp + (k / GROUP) * N;
+      if (N % BLOCK) {  // pairs of rows, one byte a pair
+        for (int64_t n = 0; n < N; n++) {
+          const float w = float(int((p[k * (N / 2) + n / 2] >> (4 * (n % 2))) & 15) - 8) * s[n] + z[n];
+          if (bf16)
+            ((c10::BFloat16*)op)[k * N + n] = c10::BFloat16(w);
+          else
+            ((float*)op)[k * N + n] = w;
+        }
+        continue;
+      }
+      for (int64_t b = 0; b < N / BLOCK; b++) {
+        const uint8_t* column = p + b * (BLOCK / 2) * K + k * (BLOCK / 2);
+        for (int64_t h = 0; h < 2; h++) {  // bytes 16h..16h+15: rows 16h.. (low nibbles) and 32 + 16h.. (high)
+          const __m128i v = _mm_loadu_si128((const __m128i*)(column + 16 * h));
+          const __m512i halves[2] = {_mm512_cvtepu8_epi32(_mm_and_si128(v, nibble)),
+                                     _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble))};
+          for (int64_t half = 0; half < 2; half++) {
+            const int64_t n = b * BLOCK + half * (BLOCK / 2) + 16 * h;
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(halves[half], eight));
+            store(k * N + n, _mm512_add_ps(_mm512_mul_ps(q, _mm512_loadu_ps(s + n)), _mm512_loadu_ps(z + n)));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmstack, m) {
+  m.def("int4pack_dequantize_t(Tensor packed, Tensor scales_zeros, int n, int k, ScalarType dtype) -> Tensor",
+        int4pack_dequantize_t);
+}
