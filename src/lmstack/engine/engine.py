@@ -282,6 +282,8 @@ class Engine:
         threads = Threads() if self.model.device.type == "cpu" else None  # sized to the cores left free
         while True:
             with self._lock:
+                if threads is not None and not (self._incoming or self._aborts or self._handles):
+                    release_team()  # idle: another thread of the process (a generate) computes on its own team
                 while not self._closed and not (self._incoming or self._aborts or self._handles):
                     self._wake.wait()
                 if self._closed:
