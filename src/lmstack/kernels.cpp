@@ -8,6 +8,8 @@
 // prefetcher idle.
 // rms_norm, rope_into_cache, decode_attention and silu_mul (float32 or bfloat16): what eager PyTorch
 // spends a dozen small operators on, in one call, rounding to bfloat16 where the reference does.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,8 +24,8 @@
 
 namespace {
 
-constexpr int64_t TILE = 8;
-constexpr int64_t TASK_WEIGHTS = 1 << 15;  // fewer weights than this per thread: not worth a thread
+using lmstack::TASK_WEIGHTS;
+using lmstack::TILE;
 constexpr int64_t BF16_AHEAD = 4096;       // bytes of a bfloat16 tile stream prefetched ahead (dot_bf16_tile)
 
 inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }

@@ -13,6 +13,8 @@
 //            multiply-add), then multiplied with x and summed in float32.
 //   bfloat16: llama.cpp's arithmetic: each 32-block of x quantized to int8 with a float32 scale, the
 //            block dot products summed in int32 (AVX512-VNNI), scaled and summed in float32.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,8 +29,8 @@
 
 namespace {
 
-constexpr int64_t TILE = 8;  // kernels.py's TILE
-constexpr int64_t TASK_WEIGHTS = 1 << 15;
+using lmstack::TASK_WEIGHTS;
+using lmstack::TILE;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
 constexpr int64_t MAX_ROWS = 4;  // rows of x that share each unpacked block of weights
 
@@ -293,13 +295,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
     for (int64_t i = 0; i < count; i++) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "gguf_dequantize: row ", rp[i], " of ", N);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   const bool bf16 = dtype == at::kBFloat16;
-  char* op = static_cast<char*>(out.data_ptr());
-  const auto store = [&](int64_t at, __m512 v) {  // 16 values from element `at` of out
-    if (bf16)
-      _mm256_storeu_si256((__m256i*)(op + 2 * at), (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps((float*)op + at, v);
-  };
+  void* op = out.data_ptr();
   with_gguf_type(type, [&]<int64_t T>() {
     const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
@@ -311,8 +307,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
           _mm256_store_ps(d, halves(rec));
           if constexpr (T == Q4_1) _mm256_store_ps(m, halves(rec + 16));
           const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-          store(i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
-          store(i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
+          lmstack::store16(op, bf16, i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
+          lmstack::store16(op, bf16, i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
         }
       }
     });

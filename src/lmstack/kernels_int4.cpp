@@ -5,11 +5,12 @@
 // of 64, blocks of 64 rows, each K columns of 32 bytes, byte j holding rows j (low nibble) and j + 32 (high);
 // otherwise K columns of N / 2 bytes, byte j holding rows 2j (low) and 2j + 1 (high). It is no public contract:
 // Int4Linear checks the values against PyTorch's own kernel before using them, and keeps that kernel otherwise.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,25 +37,19 @@ at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& sca
   const uint8_t* p = packed.data_ptr<uint8_t>();
   at::Tensor out = at::empty({K, N}, packed.options().dtype(dtype));
   const bool bf16 = dtype == at::kBFloat16;
-  char* op = static_cast<char*>(out.data_ptr());
-  const auto store = [&](int64_t at, __m512 v) {  // 16 values from element `at` of out
-    if (bf16)
-      _mm256_storeu_si256((__m256i*)(op + 2 * at), (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps((float*)op + at, v);
-  };
+  void* op = out.data_ptr();
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const __m512i eight = _mm512_set1_epi32(8);
-  at::parallel_for(0, K, std::max<int64_t>(1, (1 << 15) / N), [&](int64_t k0, int64_t k1) {
+  at::parallel_for(0, K, std::max<int64_t>(1, lmstack::TASK_WEIGHTS / N), [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; k++) {
       const float *s = sp + (k / GROUP) * N, *z = zp + (k / GROUP) * N;
       if (N % BLOCK) {  // pairs of rows, one byte a pair
         for (int64_t n = 0; n < N; n++) {
           const float w = float(int((p[k * (N / 2) + n / 2] >> (4 * (n % 2))) & 15) - 8) * s[n] + z[n];
           if (bf16)
-            ((c10::BFloat16*)op)[k * N + n] = c10::BFloat16(w);
+            static_cast<c10::BFloat16*>(op)[k * N + n] = c10::BFloat16(w);
           else
-            ((float*)op)[k * N + n] = w;
+            static_cast<float*>(op)[k * N + n] = w;
         }
         continue;
       }
@@ -67,7 +62,8 @@ at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& sca
           for (int64_t half = 0; half < 2; half++) {
             const int64_t n = b * BLOCK + half * (BLOCK / 2) + 16 * h;
             const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(halves[half], eight));
-            store(k * N + n, _mm512_add_ps(_mm512_mul_ps(q, _mm512_loadu_ps(s + n)), _mm512_loadu_ps(z + n)));
+            lmstack::store16(op, bf16, k * N + n,
+                             _mm512_add_ps(_mm512_mul_ps(q, _mm512_loadu_ps(s + n)), _mm512_loadu_ps(z + n)));
           }
         }
       }
