@@ -8,9 +8,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from lmstack import CausalLM, Tokenizer, UnsupportedModel
-from lmstack.gguf import LAYER_NAMES, NAMES, GGUFFile, is_gguf
+from lmstack.families.transformer import GGUF_LAYER_NAMES, GGUF_NAMES
+from lmstack.gguf import GGUFFile, is_gguf
 
-HF_TO_GGUF = {**{v: k for k, v in NAMES.items()}, **{v: k for k, v in LAYER_NAMES.items()}}
+HF_TO_GGUF = {**{v: k for k, v in GGUF_NAMES.items()}, **{v: k for k, v in GGUF_LAYER_NAMES.items()}}
 QUANT_ERROR = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2}  # max |error| / max |weight|, per tensor
 
 

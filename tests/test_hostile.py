@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from lmstack import (CausalLM, Checkpoint, CheckpointError, ConfigError, HFConfig, SafetensorsFile,
                      TokenizerError, UnsupportedModel, plan_for)
-from lmstack.gguf import LAYER_NAMES, GGUFFile
+from lmstack.families.transformer import GGUF_LAYER_NAMES as LAYER_NAMES
+from lmstack.gguf import GGUFFile
 from lmstack.tokenizer import Tokenizer
 
 SRC = Path(__file__).parent.parent / "src" / "lmstack"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .config import plan_for
-from .gguf import ARCHITECTURES, GGUFFile
+from .gguf import GGUFFile
 from .tokenizer import Tokenizer
 
 
@@ -43,7 +43,7 @@ def convert(path, out, progress=None):
             "chat_template": source.get("tokenizer.chat_template", None),
         }
         generation = {"bos_token_id": bos, "eos_token_id": source.config["eos_token_id"], "pad_token_id": pad}
-        config = {"architectures": [ARCHITECTURES[source.arch][2]], **source.config, "dtype": "float32"}
+        config = {"architectures": [source.architecture.hf_class], **source.config, "dtype": "float32"}
         tensors = {}
         for done, name in enumerate(names, 1):
             tensors[name] = source.read(name).contiguous()

@@ -6,10 +6,10 @@ value is read when asked for (`get`, `array`), arrays with numpy, so a large arr
 and nothing more. Tensor data is read with `pread` on the descriptor opened once, never mapped: a file
 cut short while it is open is refused by name, where a mapping would die of SIGBUS.
 
-The metadata becomes a config dict for `plan_for`, so every refusal stays in config.py; tensors are
-renamed to the Hugging Face names the plan reads, dequantized on read (by the `gguf` package, llama.cpp's
-own), and the q/k rows that llama.cpp's converter permutes for its rotary layout are put back in Hugging
-Face's order.
+The architecture's family module (families/) reads the metadata as a config dict for `plan_for`, so every
+refusal stays with the family, and names the tensors: they are renamed to the Hugging Face names the plan
+reads, dequantized on read (by the `gguf` package, llama.cpp's own), and the q/k rows that llama.cpp's
+converter permutes for its rotary layout are put back in Hugging Face's order.
 """
 
 import math
@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import HFConfig, UnsupportedModel
+from .families import GGUF_ARCHITECTURES
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -49,34 +50,6 @@ QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
 # the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf")
 BLOCK_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
-# GGUF general.architecture -> (Hugging Face model_type, q/k rows permuted by llama.cpp's converter,
-# the transformers class `convert` names in config.json)
-ARCHITECTURES = {
-    "llama": ("llama", True, "LlamaForCausalLM"),
-    "mistral": ("mistral", True, "MistralForCausalLM"),
-    "qwen2": ("qwen2", False, "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", False, "Qwen3ForCausalLM"),
-}
-
-NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
 _REQUIRED = object()
 
 
@@ -87,17 +60,6 @@ def is_gguf(path) -> bool:
         return False
     with open(path, "rb") as fh:
         return fh.read(4) == MAGIC
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face checkpoint name of a GGUF tensor name; unknown names stay as they are."""
-    stem, _, suffix = name.rpartition(".")
-    if stem in NAMES:
-        return f"{NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
-    return name
 
 
 @dataclass(frozen=True)
@@ -440,15 +402,16 @@ class GGUFFile(GGUFHeader):
         super().__init__(path)
         try:
             arch = self.get("general.architecture", None)
-            if not isinstance(arch, str) or arch not in ARCHITECTURES:
+            if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
                 raise UnsupportedModel(f"{self.path}: GGUF architecture {arch!r} is not supported "
-                                       f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-            self.arch = arch
-            self._tensors = {hf_name(name): t for name, t in self.tensors.items()}
+                                       f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+            self.arch, self.architecture = arch, GGUF_ARCHITECTURES[arch]
+            self._tensors = {self.architecture.hf_name(name): t for name, t in self.tensors.items()}
             if len(self._tensors) < len(self.tensors):
                 raise CheckpointError(f"{self.path}: two tensors take the same Hugging Face name")
             self._check_types()
-            self.config = HFConfig(self._config(), self.path)  # plan_for's errors then name this file
+            # the family's reading of the metadata as config.json; plan_for's errors then name this file
+            self.config = HFConfig(self.architecture.config(self), self.path)
         except BaseException:
             self.close()
             raise
@@ -465,57 +428,6 @@ class GGUFFile(GGUFHeader):
                 name = next(t.name for t in self._tensors.values() if t.type == qtype)
                 raise UnsupportedModel(f"{self.path}: tensor {name!r} has type {qtype.name}, which gguf "
                                        f"cannot dequantize") from None
-
-    def _config(self) -> dict:
-        """The config.json a Hugging Face checkpoint of the same model would carry."""
-        model_type = ARCHITECTURES[self.arch][0]
-        if "rope_freqs.weight" in self._tensors:
-            raise UnsupportedModel(f"{self.path}: tensor 'rope_freqs.weight' (rotary frequencies stored as "
-                                   f"a tensor, as for Llama 3.1 scaling) is not supported")
-        if self.get("{arch}.expert_count", 0):
-            raise UnsupportedModel(f"{self.path}: {self.arch}.expert_count = {self.get('{arch}.expert_count')} "
-                                   f"(mixture of experts) is not supported")
-        for key in ("head_count", "head_count_kv"):
-            if isinstance(self.get(f"{{arch}}.attention.{key}", None), list):
-                raise UnsupportedModel(f"{self.path}: {self.arch}.attention.{key} per layer is not supported")
-        n_heads = self._int("{arch}.attention.head_count")
-        n_kv_heads = self._int("{arch}.attention.head_count_kv", n_heads)
-        embed = self._tensors.get("model.embed_tokens.weight")
-        vocab = self.get("{arch}.vocab_size", None) or (embed.dims[-1] if embed is not None else None)
-        config = dict(
-            model_type=model_type,
-            hidden_size=self._int("{arch}.embedding_length"),
-            num_hidden_layers=self.get("{arch}.block_count"),
-            intermediate_size=self.get("{arch}.feed_forward_length"),
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv_heads,
-            max_position_embeddings=self.get("{arch}.context_length", None),
-            rms_norm_eps=self.get("{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-            rope_theta=self.get("{arch}.rope.freq_base", 10000.0),
-            vocab_size=vocab,
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
-            bos_token_id=self._int("tokenizer.ggml.bos_token_id", None, minimum=0),
-            eos_token_id=eos[0] if len(eos := self.eos_ids()) == 1 else eos or None,
-        )
-        if (head_dim := self._int("{arch}.attention.key_length", None)) is not None:
-            config["head_dim"] = head_dim
-        head_dim = head_dim or config["hidden_size"] // n_heads
-        rotary = self._int("{arch}.rope.dimension_count", head_dim)
-        if head_dim and rotary != head_dim:
-            config["partial_rotary_factor"] = rotary / head_dim
-        scaling = self.get("{arch}.rope.scaling.type", "none")
-        if scaling == "linear":
-            config["rope_scaling"] = {"type": "linear", "factor": self.get("{arch}.rope.scaling.factor")}
-        elif scaling == "yarn":
-            config["rope_scaling"] = {
-                "type": "yarn", "factor": self.get("{arch}.rope.scaling.factor"),
-                "original_max_position_embeddings": self.get("{arch}.rope.scaling.original_context_length")}
-        elif scaling != "none":
-            config["rope_scaling"] = {"type": scaling}  # plan_for refuses it by name
-        if (window := self.get("{arch}.attention.sliding_window", None)) is not None:
-            config["sliding_window"] = window
-            config["use_sliding_window"] = True
-        return config
 
     # ---- tensors: the Checkpoint surface -------------------------------------------------
 
@@ -562,7 +474,7 @@ class GGUFFile(GGUFHeader):
 
     def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The q/k rows llama.cpp's converter permuted put back in Hugging Face's order."""
-        if ARCHITECTURES[self.arch][1] and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+        if self.architecture.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                           "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             if weight.shape[0] % (2 * heads):

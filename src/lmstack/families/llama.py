@@ -1,0 +1,20 @@
+"""Llama and Mistral: the plain pre-norm transformer; Mistral fixes its biases off and slides one window everywhere."""
+
+from . import transformer
+from .base import Family, GGUFArchitecture
+
+FAMILIES = {
+    "llama": Family(kind="transformer", plan=transformer.plan, mlp_bias_field=True),
+    "mistral": Family(kind="transformer", plan=transformer.plan, qkv_bias=False, o_bias=False, window="all"),
+}
+
+
+def _gguf(model_type: str, hf_class: str) -> GGUFArchitecture:
+    return GGUFArchitecture(
+        model_type=model_type, hf_class=hf_class,
+        config=lambda file: transformer.gguf_config(file, model_type),
+        names=transformer.GGUF_NAMES, layer_names=transformer.GGUF_LAYER_NAMES,
+        permuted_qk=True)  # llama.cpp's converter interleaves each head's rotary halves for Llama's layout
+
+
+GGUF = {"llama": _gguf("llama", "LlamaForCausalLM"), "mistral": _gguf("mistral", "MistralForCausalLM")}
