@@ -35,6 +35,25 @@ VARIANTS = {
     "qwen3_bias_sliding": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=8, attention_bias=True,
                                                use_sliding_window=True, sliding_window=4,
                                                max_window_layers=1), {}),
+    # Gemma 2: (1 + w) norms, sandwich norms, scaled embedding, query_pre_attn_scalar, both soft-caps, every other
+    # layer sliding (transformers' default pattern)
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=5,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0), {}),
+    # Gemma 3: q/k norms, sliding layers with their own rope theta, the global ones with linear scaling
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        num_key_value_heads=1, head_dim=16, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=6.0,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1000.0)}), {}),
+    # the same ideas in the spelling of transformers 4 saves: rope_theta, rope_local_base_freq, rope_scaling, and
+    # sliding_window_pattern in place of layer_types
+    "gemma3_text_legacy": ("Gemma3TextConfig", dict(
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=50000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=500.0)}),
+                           dict(legacy_gemma3=True)),
 }
 
 
@@ -59,6 +78,21 @@ def _to_legacy_rope(config_path: Path):
     config_path.write_text(json.dumps(cfg, indent=2))
 
 
+def _to_legacy_gemma3(config_path: Path):
+    """Rewrite a Gemma 3 config.json as transformers 4 saved it."""
+    cfg = json.loads(config_path.read_text())
+    params = cfg.pop("rope_parameters")
+    full = params["full_attention"]
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = full
+    cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    types = cfg.pop("layer_types")
+    cfg["sliding_window_pattern"] = types.index("full_attention") + 1
+    assert types == ["full_attention" if (i + 1) % cfg["sliding_window_pattern"] == 0 else "sliding_attention"
+                     for i in range(len(types))]
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
 def build_checkpoint(name: str, root: Path):
     """Save variant `name` under root/name; return (path, transformers model in float32)."""
     import transformers
@@ -73,6 +107,8 @@ def build_checkpoint(name: str, root: Path):
     saved.save_pretrained(path, **({"max_shard_size": save["max_shard_size"]} if "max_shard_size" in save else {}))
     if save.get("legacy_rope"):
         _to_legacy_rope(path / "config.json")
+    if save.get("legacy_gemma3"):
+        _to_legacy_gemma3(path / "config.json")
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, reference
 

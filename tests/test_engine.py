@@ -34,6 +34,11 @@ def llama_bf16(tiny_checkpoint):
     return CausalLM.load(tiny_checkpoint("llama_bf16")[0], weight_format="bfloat16")
 
 
+@pytest.fixture(scope="module")
+def gemma3(tiny_checkpoint):  # sliding and global layers with their own rope, scaled and soft-capped logits
+    return CausalLM.load(tiny_checkpoint("gemma3_text")[0])
+
+
 def engine_for(model, blocks=64, **options):
     return Engine(model, kv_cache_memory=blocks * model.page_bytes(options.get("block_size", 16)), **options)
 
@@ -58,12 +63,12 @@ class Recorder:
         engine.runner.run = recording
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "gemma3"])
 def test_sixteen_concurrent_requests_equal_each_alone(request, name):
     model = request.getfixturevalue(name)
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95)
-    cases = [(p, dict(max_tokens=12, **(dict(sampled, seed=i) if i % 2 else {})))
-             for i, p in enumerate(prompts(16, seed=1))]
+    cases = [(p, dict(max_tokens=12, eos_ids=(), **(dict(sampled, seed=i) if i % 2 else {})))
+             for i, p in enumerate(prompts(16, seed=1))]  # every request runs its 12 tokens
     with engine_for(model, max_prefill_tokens=24) as engine:
         handles = [engine.add(p, **r) for p, r in cases]
         together = [list(h) for h in handles]

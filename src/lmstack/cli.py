@@ -357,6 +357,10 @@ def _info(args):
         f"{k}={v}" for k, v in o["rope"].items()), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
         f"mlp_bias {o['mlp_bias']}", f"qk_norm {o['qk_norm']}", f"tied embeddings {plan.tie_embeddings}",
         f"sliding window {windows or 'none'}"]
+    sliding = sum(w is not None for w in plan.layer_windows)
+    if 0 < sliding < plan.n_layers:
+        honored[-1] += f" on {sliding} of {plan.n_layers} layers"
+    honored += _family_options(plan)
     rows = [
         ("model", f"{path} ({kind})"),
         ("family", f"{plan.family} ({plan.kind})"),
@@ -372,6 +376,26 @@ def _info(args):
     for key, value in rows:
         print(textwrap.fill(value, width, initial_indent=f"{key:<9}", subsequent_indent=" " * 9,
                             break_on_hyphens=False))
+
+
+def _family_options(plan) -> list[str]:
+    """The options beyond Llama's that the plan sets (Gemma's), as `info` shows them."""
+    o, out = plan.block_options, []
+    if o.get("norm_offset") is not None:
+        out.append(f"norm scale {o['norm_offset']:g} + weight")
+    if o.get("sandwich_norms"):
+        out.append("sandwich norms")
+    if o.get("attn_scale") is not None:
+        out.append(f"attention scale {o['attn_scale']:.4g}")
+    if o.get("attn_softcap") is not None:
+        out.append(f"attention softcap {o['attn_softcap']:g}")
+    if "local_rope" in o:
+        out.append("sliding layers' rope " + " ".join(f"{k}={v}" for k, v in o["local_rope"].items()))
+    if plan.embed_scale is not None:
+        out.append(f"embedding scale {plan.embed_scale:.4g}")
+    if plan.final_softcap is not None:
+        out.append(f"final logit softcap {plan.final_softcap:g}")
+    return out
 
 
 def _size(n: int) -> str:

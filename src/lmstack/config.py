@@ -145,6 +145,8 @@ class ModelPlan:
     embed_name: str
     norm_name: str
     head_name: str | None
+    embed_scale: float | None = None  # the embedding's rows multiplied by it, in the model's dtype (Gemma)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
     layer_tensors: tuple = field(default=(), repr=False)  # per layer: ((block parameter, checkpoint tensor, rows), ...)
     layer_windows: tuple = field(default=())
 

@@ -473,7 +473,10 @@ class GGUFFile(GGUFHeader):
         return t.type.value, self._hf_rows(name, torch.from_numpy(raw.reshape(t.dims[1], -1)))
 
     def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """The q/k rows llama.cpp's converter permuted put back in Hugging Face's order."""
+        """The tensor as Hugging Face's checkpoint holds it: the q/k rows llama.cpp's converter permuted put back
+        in order, and a norm weight it stored plus an offset (Gemma's 1 + weight) less that offset."""
+        if self.architecture.norm_offset and name.endswith("norm.weight"):
+            return weight - self.architecture.norm_offset
         if self.architecture.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                           "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]

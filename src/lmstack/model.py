@@ -179,6 +179,8 @@ def _moved(value, device):
         return value.to(device)
     if isinstance(value, dict):
         return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_moved(v, device) for v in value)
     if dataclasses.is_dataclass(value):
         return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), device)
                                              for f in dataclasses.fields(value) if f.init})
@@ -329,7 +331,7 @@ class CausalLM:
             # quantized formats are filled in float32 and quantized from that, a layer at a time
             fill = torch.float32 if self.weight_format in QUANTIZED else dtype
             self.blocks = nn.ModuleList(_block(plan, i, fill) for i in range(plan.n_layers))
-            self.norm = RMSNorm(plan.d_model, plan.norm_eps)
+            self.norm = RMSNorm(plan.d_model, plan.norm_eps, plan.block_options.get("norm_offset"))
         self.blocks.requires_grad_(False)
         self._check_memory(source)
         first, last = self.layer_devices[0], self.layer_devices[-1]
@@ -342,9 +344,12 @@ class CausalLM:
             self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
             self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
         self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
-        self.rotary = None
+        self.rotary = self.local_rotary = None  # local: the sliding layers' own settings, where they differ
         if plan.kind == "transformer":
-            self.rotary = Rotary(plan.block_options["rope"], plan.block_options["head_dim"], self.device)
+            o = plan.block_options
+            self.rotary = Rotary(o["rope"], o["head_dim"], self.device)
+            if "local_rope" in o:
+                self.local_rotary = Rotary(o["local_rope"], o["head_dim"], self.device)
         self.unused_names: list[str] = []
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
@@ -533,7 +538,8 @@ class CausalLM:
         """
         x = self._embed(ids)[None]
         cos, sin = self.rotary(positions[None], self.dtype)
-        ctx = PagedContext(cos, sin, slots, tables, seqs, positions)
+        local = self.local_rotary(positions[None], self.dtype) if self.local_rotary else None
+        ctx = PagedContext(cos, sin, slots, tables, seqs, positions, local)
         if (stack := self._fused_stack(x, ctx)) is not None:
             x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions)
         else:
@@ -735,14 +741,22 @@ class CausalLM:
         return stacked[1]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding's rows for ids, in the model's dtype (under gguf, dequantized from the file's blocks)."""
+        """The embedding's rows for ids, in the model's dtype (under gguf, dequantized from the file's blocks),
+        times the plan's embed_scale rounded to that dtype, as the reference multiplies it."""
         if isinstance(self.embed, GGUFBlocks):
-            return self.embed.embedding(ids, self.dtype)
-        return F.embedding(ids, self.embed).to(self.dtype)
+            x = self.embed.embedding(ids, self.dtype)
+        else:
+            x = F.embedding(ids, self.embed).to(self.dtype)
+        if self.plan.embed_scale is not None:
+            x = x * torch.tensor(self.plan.embed_scale, dtype=self.dtype)
+        return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and head, in the model's dtype."""
-        return self.head_projection(self.norm(x).to(self.dtype))
+        """Final norm and head, in the model's dtype; soft-capped where the plan says."""
+        logits = self.head_projection(self.norm(x).to(self.dtype))
+        if (cap := self.plan.final_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _context(self, shape, state, alone=False):
         """What every layer of one forward shares, for this model's kind of block."""
@@ -759,13 +773,19 @@ class CausalLM:
         windows = set(self.plan.layer_windows)
         if alone:  # each position's tables and mask made as its own step makes them (an elementwise op's
             # vectorized and scalar paths may round differently, and which elements take which depends on the size)
-            tables = [self.rotary(positions[:, i:i + 1], self.dtype) for i in range(L)]
-            cos, sin = (torch.cat(t, dim=1) for t in zip(*tables))
+            cos, sin = self._tables_alone(self.rotary, positions)
+            local = self._tables_alone(self.local_rotary, positions) if self.local_rotary else None
             masks = {w: [self._mask(slots[i:i + 1], start + i + 1, w, offsets) for i in range(L)] for w in windows}
-            return AttentionContext(start, cos, sin, masks, alone=True)
+            return AttentionContext(start, cos, sin, masks, alone=True, local=local)
         cos, sin = self.rotary(positions, self.dtype)
+        local = self.local_rotary(positions, self.dtype) if self.local_rotary else None
         masks = {w: self._mask(slots, start + L, w, offsets) for w in windows}
-        return AttentionContext(start, cos, sin, masks)
+        return AttentionContext(start, cos, sin, masks, local=local)
+
+    def _tables_alone(self, rotary: Rotary, positions: torch.Tensor) -> tuple:
+        """cos, sin for each position made as its own step makes them."""
+        tables = [rotary(positions[:, i:i + 1], self.dtype) for i in range(positions.shape[1])]
+        return tuple(torch.cat(t, dim=1) for t in zip(*tables))
 
     def _recurrent_context(self, shape, state) -> RecurrentContext:
         """Left padding (slots before offsets[b]) is masked, so a row's state stays zero until its first token."""

@@ -18,14 +18,17 @@ ACTIVATIONS = {
 
 
 class RMSNorm(nn.Module):
-    """Normalize in float32, scale in the input's dtype: the order the reference uses."""
+    """Normalize in float32, scale in the input's dtype: the order the reference uses. With an `offset` (Gemma's
+    1.0), scale by (offset + weight) in float32 and round once, as Gemma's reference does."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset is not None:
+            return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (self.offset + self.weight.float())).to(x.dtype)
         if self.weight.dtype == x.dtype and kernels.usable(x):  # (Mamba keeps a float32 weight)
             return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -49,6 +52,7 @@ class AttentionContext:
     masks: dict  # window (None: full) -> boolean mask (B, 1, L, S), or None for plain causal; with `alone`, a list
     # of each query's one-token-step mask
     alone: bool = False  # each query attends as a one-token step would (needs the kernels): exact verification
+    local: tuple | None = None  # (cos, sin) of the sliding layers' own rotary settings (Gemma 3), where they differ
 
 
 @dataclass
@@ -69,17 +73,21 @@ class PagedContext:
     tables: torch.Tensor  # (S, max_blocks) int64: each sequence's blocks in order
     seqs: torch.Tensor  # (T,) each token's sequence (row of tables)
     positions: torch.Tensor  # (T,) each token's position: it attends to its sequence's positions up to it
+    local: tuple | None = None  # (cos, sin) of the sliding layers' own rotary settings (Gemma 3), where they differ
 
 
-def paged_attention(q, cache: PagedKV, ctx: PagedContext, window: int | None) -> torch.Tensor:
+def paged_attention(q, cache: PagedKV, ctx: PagedContext, window: int | None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q (T, H, D) -> (T, H * D): token t attends to positions max(0, p - window + 1)..p of its sequence, p its
-    position. Each (token, head) is computed alone, in the same order whatever the other tokens are."""
-    if kernels.usable(q):
+    position. Each (token, head) is computed alone, in the same order whatever the other tokens are. Scores are
+    scaled by `scale` (None: 1/sqrt(D)) and soft-capped by `softcap`, which only the reference path takes."""
+    if kernels.usable(q) and scale is None and softcap is None:
         return kernels.paged_attention(q, cache.k, cache.v, ctx.tables, ctx.seqs, ctx.positions, window or 0)
-    return _paged_attention_reference(q, cache, ctx, window)
+    return _paged_attention_reference(q, cache, ctx, window, scale, softcap)
 
 
-def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int | None) -> torch.Tensor:
+def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int | None, scale: float | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """PyTorch's operators, one sequence at a time, in float64 rounded once to q's dtype: where the kernel cannot run,
     other rows change a result only when float64 sums that differ in their last bits round differently."""
     T, H, D = q.shape
@@ -92,7 +100,9 @@ def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int
         blocks = ctx.tables[s, :(n + size - 1) // size]
         k, v = (c[blocks].transpose(0, 1).reshape(KV, -1, D)[:, :n].double() for c in (cache.k, cache.v))
         k, v = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)  # (H, n, D)
-        scores = (q[rows].transpose(0, 1).double() @ k.transpose(1, 2)) / D ** 0.5  # (H, L, n)
+        scores = (q[rows].transpose(0, 1).double() @ k.transpose(1, 2)) * (D ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap  # (H, L, n)
         keys = torch.arange(n, device=q.device)
         allowed = keys[None] <= positions[:, None]
         if window is not None:
@@ -103,13 +113,23 @@ def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window):
+    """Grouped-query attention with rotary q and k. Options beyond Llama's: `scale` of the scores (None:
+    1/sqrt(head_dim)), `softcap` (scores -> cap * tanh(scores / cap)), `local_rope` (the context's second rotary
+    tables, for a sliding layer), `norm_offset` of the q/k norms."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window,
+                 scale=None, softcap=None, local_rope=False, norm_offset=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
+        self.scale, self.softcap, self.local_rope = scale, softcap, local_rope
         self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
         self.o = nn.Linear(n_heads * head_dim, d_model, bias=o_bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, norm_eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, norm_offset) if qk_norm else None
+
+    def rotary(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables this layer rotates by."""
+        return ctx.local if self.local_rope and ctx.local is not None else (ctx.cos, ctx.sin)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
         B, L, _ = x.shape
@@ -120,8 +140,9 @@ class Attention(nn.Module):
         if isinstance(ctx, PagedContext):
             return self.o(self._paged(qkv, cache, ctx)[None])
         mask = ctx.masks[self.window]
+        cos, sin = self.rotary(ctx)
         if cache is not None and kernels.usable(qkv):
-            q = kernels.rope_into_cache(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
+            q = kernels.rope_into_cache(qkv, cos, sin, cache.k, cache.v, ctx.start)
             end = ctx.start + L
             if ctx.alone:
                 y = [self._one_query(q[:, i:i + 1], cache, ctx.start + i + 1, mask[i]) for i in range(L)]
@@ -130,44 +151,64 @@ class Attention(nn.Module):
                 return self.o(self._one_query(q, cache, end, mask))
             q, k, v = q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end]
         else:
-            qk = apply_rotary(qkv[:, :, :H + KV], ctx.cos, ctx.sin)  # the q and k heads in one pass
+            qk = apply_rotary(qkv[:, :, :H + KV], cos, sin)  # the q and k heads in one pass
             q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2)
             if cache is not None:
                 end = ctx.start + L
                 cache.k[:, :, ctx.start:end] = k
                 cache.v[:, :, ctx.start:end] = v
                 k, v = cache.k[:, :, :end], cache.v[:, :, :end]
-        gqa = KV != H
-        if L == 1 and mask is None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # one query: PyTorch's CPU kernel is 3x faster on float32 copies than on bfloat16
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa).to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and L > 1,
-                                               enable_gqa=gqa)
+        y = self._attend(q, k, v, mask, causal=mask is None and L > 1)
         return self.o(y.transpose(1, 2).reshape(B, L, H * self.head_dim))
+
+    def _attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """q (B, H, L, D) over k, v (B, KV, S, D) -> (B, H, L, D); `mask` boolean, or None (causal or none)."""
+        gqa = self.n_kv_heads != self.n_heads
+        if self.softcap is not None:
+            return self._attend_softcapped(q, k, v, mask, causal)
+        if q.shape[2] == 1 and mask is None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            # one query: PyTorch's CPU kernel is 3x faster on float32 copies than on bfloat16
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa,
+                                                  scale=self.scale).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
+                                              scale=self.scale)
+
+    def _attend_softcapped(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """Attention with soft-capped scores, which SDPA cannot do: as the reference's eager path computes it
+        (scores in q's dtype, softmax in float32 rounded back)."""
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        scores = torch.tanh((q @ k.transpose(2, 3)) * scale / self.softcap) * self.softcap
+        L, S = scores.shape[-2:]
+        if causal:
+            mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -torch.inf)
+        return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
     def _one_query(self, q: torch.Tensor, cache: KVCache, end: int, mask) -> torch.Tensor:
         """A one-token step's attention with the kernels: q (B, 1, H, D), its k and v already at slot end - 1,
         over slots 0..end-1 -> (B, 1, H * D)."""
-        if mask is None:
+        if mask is None and self.scale is None and self.softcap is None:
             return kernels.decode_attention(q, cache.k, cache.v, end)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        y = self._attend(q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end], mask, causal=False)
         return y.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
     def _paged(self, qkv: torch.Tensor, cache: PagedKV, ctx: PagedContext) -> torch.Tensor:
         """qkv (1, T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
         H, KV = self.n_heads, self.n_kv_heads
+        cos, sin = self.rotary(ctx)
         if kernels.usable(qkv):
-            q = kernels.rope_into_pages(qkv, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots)[0]
+            q = kernels.rope_into_pages(qkv, cos, sin, cache.k, cache.v, ctx.slots)[0]
         else:
-            qk = apply_rotary(qkv[:, :, :H + KV], ctx.cos, ctx.sin)[0]
+            qk = apply_rotary(qkv[:, :, :H + KV], cos, sin)[0]
             size = cache.k.shape[2]
             blocks, offsets = ctx.slots // size, ctx.slots % size
             cache.k[blocks, :, offsets] = qk[:, H:]
             cache.v[blocks, :, offsets] = qkv[0, :, H + KV:]
             q = qk[:, :H]
-        return paged_attention(q, cache, ctx, self.window)
+        return paged_attention(q, cache, ctx, self.window, self.scale, self.softcap)
 
 
 class MLP(nn.Module):
@@ -186,16 +227,26 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual. Options beyond Llama's: `sandwich_norms` (a norm on
+    each output before its residual add, Gemma's), `norm_offset` (see RMSNorm), and Attention's `attn_scale`,
+    `attn_softcap` and `local_rope` (sliding layers rotate by their own settings)."""
+
     PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # what a weight format may re-store
 
     def __init__(self, d_model: int, options: dict, window: int | None):
         super().__init__()
         o = options
-        self.attn_norm = RMSNorm(d_model, o["norm_eps"])
+        offset = o.get("norm_offset")
+        self.attn_norm = RMSNorm(d_model, o["norm_eps"], offset)
         self.attn = Attention(d_model, o["n_heads"], o["n_kv_heads"], o["head_dim"], o["qkv_bias"],
-                              o["o_bias"], o["qk_norm"], o["norm_eps"], window)
-        self.mlp_norm = RMSNorm(d_model, o["norm_eps"])
+                              o["o_bias"], o["qk_norm"], o["norm_eps"], window, scale=o.get("attn_scale"),
+                              softcap=o.get("attn_softcap"), local_rope=window is not None and "local_rope" in o,
+                              norm_offset=offset)
+        self.mlp_norm = RMSNorm(d_model, o["norm_eps"], offset)
         self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
+        sandwich = o.get("sandwich_norms", False)
+        self.post_attn_norm = RMSNorm(d_model, o["norm_eps"], offset) if sandwich else None
+        self.post_mlp_norm = RMSNorm(d_model, o["norm_eps"], offset) if sandwich else None
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
         if cache is not None and self.fusable(x, ctx) and (layer := self.fused_layer(x.dtype)) is not None:
@@ -203,8 +254,18 @@ class TransformerBlock(nn.Module):
                 return layer.paged(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots, ctx.tables, ctx.seqs,
                                    ctx.positions)
             return layer.decode(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
-        h = x + self.attn(self.attn_norm(x), cache, ctx)
-        return h + self.mlp(self.mlp_norm(h))
+        y = self.attn(self.attn_norm(x), cache, ctx)
+        h = x + (y if self.post_attn_norm is None else self.post_attn_norm(y))
+        y = self.mlp(self.mlp_norm(h))
+        return h + (y if self.post_mlp_norm is None else self.post_mlp_norm(y))
+
+    def fused_options(self) -> list[str]:
+        """The options this block uses that kernels_layer.cpp's Layer does not take: where any is, the block runs
+        its Python path (never a fused call that would compute something else)."""
+        a = self.attn
+        used = {"sandwich_norms": self.post_attn_norm is not None, "norm_offset": self.attn_norm.offset is not None,
+                "attn_scale": a.scale is not None, "attn_softcap": a.softcap is not None, "local_rope": a.local_rope}
+        return [name for name, on in used.items() if on]
 
     def fusable(self, x: torch.Tensor, ctx) -> bool:
         """Whether forward calls only lmstack's kernels for these rows, so that one fused call can stand for it:
@@ -225,6 +286,8 @@ class TransformerBlock(nn.Module):
 
     def _build_fused(self, dtype: torch.dtype) -> torch.ScriptObject | None:
         a = self.attn
+        if self.fused_options():
+            return None
         norms = [self.attn_norm, self.mlp_norm] + ([a.q_norm, a.k_norm] if a.q_norm is not None else [])
         calls = {name: getattr(module, "kernel_call", lambda _: None)(dtype)
                  for name, module in (("qkv", a.qkv), ("o", a.o), ("gate_up", self.mlp.gate_up),

@@ -6,10 +6,10 @@ one new module listed in MODULES, plus its tests; nothing else learns its name.
 """
 
 from ..config import HFConfig, ModelPlan, UnsupportedModel, shown
-from . import llama, mamba, qwen
+from . import gemma, llama, mamba, qwen
 from .base import Family, Fields, GGUFArchitecture
 
-MODULES = (llama, qwen, mamba)
+MODULES = (llama, qwen, gemma, mamba)
 FAMILIES: dict[str, Family] = {name: family for m in MODULES for name, family in m.FAMILIES.items()}
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     name: arch for m in MODULES for name, arch in getattr(m, "GGUF", {}).items()}

@@ -31,6 +31,7 @@ class GGUFArchitecture:
     names: dict  # GGUF tensor stem outside the layers -> Hugging Face stem
     layer_names: dict  # GGUF stem within blk.N -> Hugging Face stem within model.layers.N
     permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows for its rotary layout
+    norm_offset: float = 0.0  # llama.cpp's converter stored each norm weight plus this: subtracted on read
     layer_prefix: str = "model.layers"
 
     def hf_name(self, name: str) -> str:

@@ -45,7 +45,7 @@ def plan(f: Fields, family: Family) -> ModelPlan:
     return make_plan(f, family, options, n_layers, layer_windows(f, family, n_layers))
 
 
-def attention_options(f: Fields, family: Family, act_key: str = "hidden_act", rope_spec=None) -> dict:
+def attention_options(f: Fields, family: Family, act: tuple = ("hidden_act", "silu"), rotary: dict | None = None) -> dict:
     """The block options every attention family shares: heads, widths, biases, activation, rotary, norm eps."""
     d_model = f.int("hidden_size")
     n_heads = f.int("num_attention_heads", maximum=4096)
@@ -61,7 +61,7 @@ def attention_options(f: Fields, family: Family, act_key: str = "hidden_act", ro
     if head_dim % 2:
         raise f.bad("head_dim", head_dim, "an even number (rotary pairs)")
 
-    act = f.str(act_key, "silu")
+    act_key, act = act[0], f.str(*act)  # (config field, default)
     if act not in ACTIVATIONS:
         raise f.refuse(act_key, act, f"supported: {', '.join(ACTIVATIONS)}")
     attention_bias = f.bool("attention_bias", False)
@@ -74,7 +74,7 @@ def attention_options(f: Fields, family: Family, act_key: str = "hidden_act", ro
         raise f.refuse("mlp_bias", mlp_bias, f"{f.model_type} has no MLP biases")
 
     partial = f.cfg.get("partial_rotary_factor")
-    rotary = rope(f, rope_spec)
+    rotary = dict(rope(f) if rotary is None else rotary)
     partial = rotary.pop("partial_rotary_factor", partial)
     if partial not in (None, 1, 1.0):
         raise f.refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")
@@ -87,7 +87,7 @@ def attention_options(f: Fields, family: Family, act_key: str = "hidden_act", ro
 
 
 def make_plan(f: Fields, family: Family, options: dict, n_layers: int, windows: tuple,
-              norms: dict = NORMS) -> ModelPlan:
+              norms: dict = NORMS, **model_options) -> ModelPlan:
     """The plan of a stack of `n_layers` blocks with `options`, named as Hugging Face's Llama names them."""
     tie = f.bool("tie_word_embeddings", family.tie)
     return ModelPlan(
@@ -99,7 +99,7 @@ def make_plan(f: Fields, family: Family, options: dict, n_layers: int, windows: 
         embed_name="model.embed_tokens.weight", norm_name="model.norm.weight",
         head_name=None if tie else "lm_head.weight",
         layer_tensors=tuple(layer_tensors(options, f"model.layers.{i}.", norms) for i in range(n_layers)),
-        layer_windows=windows,
+        layer_windows=windows, **model_options,
     )
 
 
