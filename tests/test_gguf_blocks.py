@@ -3,12 +3,13 @@ dequantize (the weights) and llama.cpp's arithmetic recomputed here (bfloat16 ac
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import test_gguf
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from test_gguf import write_gguf
 
 from lmstack import CausalLM, UnsupportedModel, kernels, models
@@ -143,27 +144,57 @@ def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
     assert ((y.double() - expected).abs() <= bound).all()
 
 
+def plausible_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    """Blocks of qtype, which gguf cannot quantize to, in the place of matrix w: random quants and sub-block
+    scales, the float16 scales (d, and dmin or m) set so that the weights spread as w's do."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    float16_at = kernels.GGUF_TYPES[qtype.value].float16_at if qtype.value in kernels.GGUF_TYPES else (0,)
+    rows = w.shape[0]
+    raw = np.random.default_rng(w.size).integers(0, 256, (rows, w.shape[1] // size, nbytes), dtype=np.uint8)
+    for at in float16_at:
+        raw[..., at:at + 2] = np.array([1.0], np.float16).view(np.uint8)
+    scale = np.array([w.std() / dequantize(raw.reshape(rows, -1), qtype).std()], np.float16).view(np.uint8)
+    for at in float16_at:
+        raw[..., at:at + 2] = scale
+    return raw.reshape(rows, -1)
+
+
+def quantize_or_make_up(w: np.ndarray, qtype) -> np.ndarray:
+    try:
+        return quantize(w, qtype)
+    except NotImplementedError:
+        return plausible_blocks(w, qtype)
+
+
 def tiny_gguf(tiny_checkpoint, tmp_path, name, **types):
+    """A tiny model written as a GGUF (test_gguf.write_gguf), the types gguf cannot quantize to as plausible_blocks."""
     _, reference = tiny_checkpoint(name)
     path = tmp_path / f"{name}.gguf"
-    write_gguf(path, reference, arch="qwen2" if name.startswith("qwen2") else "llama", **types)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_gguf, "quantize", quantize_or_make_up)
+        write_gguf(path, reference, arch="qwen2" if name.startswith("qwen2") else "llama", **types)
     return path
 
 
 MIXED = {"model.layers.0.self_attn.v_proj.weight": Q.Q8_0, "model.layers.1.mlp.up_proj.weight": Q.BF16,
          "model.layers.1.self_attn.o_proj.weight": Q.F16, "model.layers.0.mlp.down_proj.weight": Q.Q5_0,
-         "model.embed_tokens.weight": Q.Q4_1}
+         "model.layers.1.mlp.gate_proj.weight": Q.Q5_1, "model.embed_tokens.weight": Q.Q4_1}
+# every K-quant, Q5_0 and Q5_1 in one model, its tied embedding Q6_K as in a Q4_K_M file
+K_MIXED = {"model.layers.0.self_attn.q_proj.weight": Q.Q2_K, "model.layers.0.self_attn.k_proj.weight": Q.Q3_K,
+           "model.layers.0.self_attn.v_proj.weight": Q.Q6_K, "model.layers.0.self_attn.o_proj.weight": Q.Q5_K,
+           "model.layers.0.mlp.gate_proj.weight": Q.Q5_0, "model.layers.0.mlp.up_proj.weight": Q.Q5_1,
+           "model.layers.1.mlp.down_proj.weight": Q.Q6_K, "model.embed_tokens.weight": Q.Q6_K}
 
 
 @needs_kernels
 @pytest.mark.parametrize("name,qtype,types", [
     ("llama_tied_gqa", Q.Q8_0, None), ("llama_tied_gqa", Q.Q4_0, None), ("llama", Q.Q4_1, None),
-    ("qwen2_sliding", Q.Q4_0, None), ("llama_tied_gqa", Q.Q4_0, MIXED)],
-    ids=["Q8_0-tied", "Q4_0-tied", "Q4_1", "Q4_0-qwen2-bias", "mixed"])
+    ("qwen2_sliding", Q.Q4_0, None), ("llama_tied_gqa", Q.Q4_0, MIXED), ("llama_wide", Q.Q4_K, K_MIXED)],
+    ids=["Q8_0-tied", "Q4_0-tied", "Q4_1", "Q4_0-qwen2-bias", "mixed", "K-quants-tied"])
 def test_logits_match_a_float32_model_of_the_dequantized_weights(tiny_checkpoint, tmp_path, name, qtype, types):
     """Under fp32 the stored blocks give the logits of float32 weights that gguf dequantized, up to float32
     summation order (1e-4 on logits of size ~1), and the same greedy tokens; bfloat16 stays within its rounding.
-    The mixed file fuses parts of different types (Q5_0 has no kernel: widened to float32, exactly)."""
+    The mixed files fuse parts of different types."""
     path = tiny_gguf(tiny_checkpoint, tmp_path, name, qtype=qtype, tensor_types=types)
     dense = CausalLM.load(path, device="cpu")
     stored = CausalLM.load(path, weight_format="gguf", device="cpu")
