@@ -34,6 +34,15 @@ def llama_bf16(tiny_checkpoint):
     return CausalLM.load(tiny_checkpoint("llama_bf16")[0], weight_format="bfloat16")
 
 
+@pytest.fixture(scope="module")
+def kquant_gguf(tiny_checkpoint, tmp_path_factory):  # every K-quant, Q5_0 and Q5_1 as stored, bfloat16 arithmetic
+    from test_gguf_blocks import K_MIXED, Q, tiny_gguf
+
+    path = tiny_gguf(tiny_checkpoint, tmp_path_factory.mktemp("kquant"), "llama_wide", qtype=Q.Q4_K,
+                     tensor_types=K_MIXED)
+    return CausalLM.load(path, weight_format="gguf", numeric_profile="bf16")
+
+
 def engine_for(model, blocks=64, **options):
     return Engine(model, kv_cache_memory=blocks * model.page_bytes(options.get("block_size", 16)), **options)
 
@@ -58,7 +67,7 @@ class Recorder:
         engine.runner.run = recording
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "kquant_gguf"])
 def test_sixteen_concurrent_requests_equal_each_alone(request, name):
     model = request.getfixturevalue(name)
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95)

@@ -251,3 +251,15 @@ def test_the_default_model_as_stored_matches_its_dequantized_float32():
     stored_bytes = sum(p.weight.numel() for m in stored.blocks for p in m.modules() if isinstance(p, GGUFBlocks))
     assert stored_bytes < 0.2 * sum(w.numel() * 4 for k, w in dense.parameters().items() if "layers" in k)
     assert math.isfinite(float(stored.forward(ids).abs().max()))
+
+
+def test_a_type_without_kernels_is_refused_unless_dequantized_storage_is_asked_for(tiny_checkpoint, tmp_path):
+    """IQ4_NL has no kernel: weight_format "gguf" refuses the file naming the tensor and the type rather than
+    widening it to float32 behind the user's back; float32 storage dequantizes it, as gguf does."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama", qtype=Q.Q8_0, tensor_types={name: Q.IQ4_NL})
+    with pytest.raises(UnsupportedModel, match=r"'blk\.0\.ffn_up\.weight' has type IQ4_NL.*weight_format 'float32'"):
+        CausalLM.load(path, weight_format="gguf", device="cpu")
+    dense = CausalLM.load(path, weight_format="float32", device="cpu")
+    with GGUFFile(path) as f:
+        assert torch.equal(dense.parameters()[name], f.read(name))
