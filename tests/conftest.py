@@ -32,6 +32,9 @@ VARIANTS = {
     "qwen2_sliding": ("Qwen2Config", dict(num_key_value_heads=2, num_hidden_layers=3, use_sliding_window=True,
                                           sliding_window=6, max_window_layers=1, tie_word_embeddings=True), {}),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24), {}),
+    # rows of 256 and 512 values: the GGUF K-quants' blocks
+    "llama_wide": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_key_value_heads=2,
+                                       tie_word_embeddings=True, initializer_range=0.03), {}),
     "qwen3_bias_sliding": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=8, attention_bias=True,
                                                use_sliding_window=True, sliding_window=4,
                                                max_window_layers=1), {}),

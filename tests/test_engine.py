@@ -39,6 +39,15 @@ def gemma3(tiny_checkpoint):  # sliding and global layers with their own rope, s
     return CausalLM.load(tiny_checkpoint("gemma3_text")[0])
 
 
+@pytest.fixture(scope="module")
+def kquant_gguf(tiny_checkpoint, tmp_path_factory):  # every K-quant, Q5_0 and Q5_1 as stored, bfloat16 arithmetic
+    from test_gguf_blocks import K_MIXED, Q, tiny_gguf
+
+    path = tiny_gguf(tiny_checkpoint, tmp_path_factory.mktemp("kquant"), "llama_wide", qtype=Q.Q4_K,
+                     tensor_types=K_MIXED)
+    return CausalLM.load(path, weight_format="gguf", numeric_profile="bf16")
+
+
 def engine_for(model, blocks=64, **options):
     return Engine(model, kv_cache_memory=blocks * model.page_bytes(options.get("block_size", 16)), **options)
 
@@ -63,7 +72,7 @@ class Recorder:
         engine.runner.run = recording
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "gemma3", "kquant_gguf"])
 def test_sixteen_concurrent_requests_equal_each_alone(request, name):
     model = request.getfixturevalue(name)
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95)

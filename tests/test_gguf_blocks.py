@@ -1,120 +1,200 @@
-"""weight_format "gguf": a GGUF's Q8_0, Q4_0 and Q4_1 blocks multiplied as stored, against gguf's own dequantize."""
+"""weight_format "gguf": a GGUF's blocks of every type the kernels take multiplied as stored, against gguf's own
+dequantize (the weights) and llama.cpp's arithmetic recomputed here (bfloat16 activations)."""
 
 import math
 
+import gguf
 import numpy as np
 import pytest
+import test_gguf
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from test_gguf import write_gguf
 
-from lmstack import CausalLM, kernels, models
+from lmstack import CausalLM, UnsupportedModel, kernels, models
 from lmstack.checkpoint import CheckpointError
 from lmstack.formats import GGUFBlocks
+from lmstack.gguf import GGUFFile
 
-BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+BLOCK_TYPES = [Q(i) for i in kernels.GGUF_TYPES]
+K_QUANTS = [q for q in BLOCK_TYPES if kernels.GGUF_TYPES[q.value].values == 256]
+# where each K-quant keeps its integer sub-block scales (and mins): bytes set to extremes in some blocks
+SUB_SCALES = {Q.Q2_K: (0, 16), Q.Q3_K: (96, 108), Q.Q4_K: (4, 16), Q.Q5_K: (4, 16), Q.Q6_K: (192, 208)}
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
+by_name = dict(ids=lambda q: q.name)
+
+
+def columns(qtype) -> int:
+    return 3 * kernels.GGUF_TYPES[qtype.value].values + (32 if kernels.GGUF_TYPES[qtype.value].values == 32 else 0)
 
 
 def random_blocks(qtype, rows, cols, seed=0) -> np.ndarray:
-    """Random rows of blocks whose float16 scales (d, and Q4_1's m) are any finite value: normal, subnormal,
-    zero, negative zero, the largest."""
+    """Random rows of blocks whose float16 scales (d, and dmin or m) are any finite value: normal, subnormal,
+    zero, negative zero, the largest; and whose integer sub-block scales and mins take every bit pattern, the
+    extremes (all zeros, all ones, 0x80 and 0x7F bytes) in whole blocks."""
+    kind = kernels.GGUF_TYPES[qtype.value]
     rng = np.random.default_rng(seed)
-    block, head = kernels.GGUF_BLOCKS[qtype.value]
-    raw = rng.integers(0, 256, size=(rows, cols // 32, block), dtype=np.uint8)
-    scales = raw[..., :head].copy().view(np.uint16)
-    finite = (scales & 0x7C00) != 0x7C00
-    scales = np.where(finite, scales, scales & 0x83FF)  # an inf/nan exponent becomes a subnormal one
-    scales.flat[:6] = [0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF]
-    raw[..., :head] = scales.view(np.uint8).reshape(raw[..., :head].shape)
+    raw = rng.integers(0, 256, size=(rows, cols // kind.values, kind.bytes), dtype=np.uint8)
+    if qtype in SUB_SCALES:
+        lo, hi = SUB_SCALES[qtype]
+        for row, byte in enumerate((0x00, 0xFF, 0x80, 0x7F)):
+            raw[row, 0, lo:hi] = byte
+    for i, at in enumerate(kind.float16_at):
+        scales = raw[..., at:at + 2].copy().view(np.uint16)
+        finite = (scales & 0x7C00) != 0x7C00
+        scales = np.where(finite, scales, scales & 0x83FF)  # an inf/nan exponent becomes a subnormal one
+        scales.flat[i:i + 12:2] = [0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF]
+        raw[..., at:at + 2] = scales.view(np.uint8).reshape(raw[..., at:at + 2].shape)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
 def test_dequantized_blocks_are_bit_equal_to_gguf(qtype, use_kernels, monkeypatch):
     if use_kernels and not kernels.available():
         pytest.skip("lmstack's CPU kernels do not run here")
     if not use_kernels:
         monkeypatch.setattr(kernels, "available", lambda: False)
-    rows, cols = 21, 128  # rows not a multiple of the tile: padding rows are never read back
+    rows, cols = 21, columns(qtype)  # rows not a multiple of the tile: padding rows are never read back
     raw = random_blocks(qtype, rows, cols)
     expected = dequantize(raw, qtype).astype(np.float32)
     blocks = GGUFBlocks(torch.from_numpy(raw), qtype.value, cols)
     assert np.array_equal(blocks.dense().numpy().view(np.uint32), expected.view(np.uint32))
     ids = torch.tensor([[20, 0], [7, 7]])
     assert np.array_equal(blocks.dense(ids).numpy().view(np.uint32), expected[ids.numpy()].view(np.uint32))
+    rounded = blocks.dense(dtype=torch.bfloat16)
+    assert torch.equal(rounded, torch.from_numpy(expected).bfloat16())
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 def test_float32_products_are_the_dequantized_weights_times_x(qtype):
     """Each weight dequantized exactly, products summed in float32: within gamma_K * sum |w x| of the float64 sum."""
-    rows, cols = 19, 160
+    rows, cols = 19, columns(qtype)
     raw = random_blocks(qtype, rows, cols, seed=1)
     w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).double()
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(rows)
-    y = kernels.gguf_matvec(x, kernels.pack_gguf(torch.from_numpy(raw), qtype.value), qtype.value, rows, bias)
-    eye = torch.eye(cols)  # each product with one is the weight itself, each sum adds zeros: the weights' bits
     packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
+    y = kernels.gguf_matvec(x, packed, qtype.value, rows, bias)
+    eye = torch.eye(cols)  # each product with one is the weight itself, each sum adds zeros: the weights' bits
     assert torch.equal(kernels.gguf_matvec(eye, packed, qtype.value, rows, None).T, w.float())
     exact = x.double() @ w.T + bias.double()
     bound = cols * 2.0 ** -24 * (x.double().abs() @ w.abs().T + bias.double().abs()) * 1.01
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-def quantized_rows(x: torch.Tensor):
-    """x's rows quantized per 32 columns as the bfloat16 kernel does: q = rint(x * (127 / amax)), d = amax / 127."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def quantized_rows(x: torch.Tensor, values: int):
+    """x's rows quantized as llama.cpp quantizes them for the type's dot product, (q, d per block): per 256 values
+    (Q8_K) the value of largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)),
+    d = 1 / iscale; per 32 values (the kernels' Q8_0, d in float32) q = rint(x * (127 / amax)), d = amax / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, values)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.tensor(0.0))
-    return torch.round(blocks * inv), amax / 127
+    if values == 32:
+        inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.tensor(0.0))
+        return torch.round(blocks * inv), amax / 127
+    top = blocks.gather(-1, (blocks.abs() == amax).int().argmax(-1, keepdim=True))  # the first such value
+    iscale = torch.where(amax > 0, torch.tensor(-127.0) / top, torch.tensor(0.0))
+    return torch.round(iscale * blocks).clamp(max=127), torch.where(amax > 0, 1 / iscale, torch.tensor(0.0))
+
+
+def integer_parts(raw: np.ndarray, qtype):
+    """Each weight as d * a + e * b, d and e the block's float16 scales (d, and dmin or m): (d, e, a, b) per block,
+    a and b the integers gguf's dequantize gives with the scales set to (1, 0) and to (0, 1)."""
+    kind = kernels.GGUF_TYPES[qtype.value]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, kind.bytes)
+    scales = [blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64) for at in kind.float16_at]
+    parts = []
+    for one in range(len(kind.float16_at)):
+        unit = blocks.copy()
+        for i, at in enumerate(kind.float16_at):
+            unit[..., at:at + 2] = np.array([1.0 if i == one else 0.0], np.float16).view(np.uint8)
+        parts.append(dequantize(unit.reshape(rows, -1), qtype).astype(np.float64).reshape(rows, blocks.shape[1], -1))
+    if len(parts) == 1:  # no second scale
+        scales.append(np.zeros_like(scales[0])), parts.append(np.zeros_like(parts[0]))
+    return [torch.from_numpy(v) for v in (*scales, *parts)]
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
-    """Under bfloat16 activations x is quantized per 32-column block to int8 (llama.cpp's arithmetic): the result
-    is the float64 sum over blocks of d_w * d_x * (integer dot product) (+ m * d_x * sum(q_x) for Q4_1), up to
-    float32 rounding of each block's terms, and within amax / 254 per column of the exact product."""
-    rows, cols = 19, 160
+    """Under bfloat16 activations x is quantized as llama.cpp quantizes it for the type, and each block's integer
+    dot products are exact: the result is the float64 sum over blocks of d_x * (d * a.q_x + e * b.q_x), up to
+    float32 rounding of each block's terms and the bfloat16 output; each row's result is its result alone."""
+    rows, cols = 19, columns(qtype)
+    values = kernels.GGUF_TYPES[qtype.value].values
     raw = random_blocks(qtype, rows, cols, seed=2)
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x[0, :values] = 0  # a block of zeros: d_x = 0
+    x[1, 5] = -40  # a block whose value of largest magnitude is negative
     packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
     y = kernels.gguf_matvec(x, packed, qtype.value, rows, None)
-    for i in range(6):  # rows go four to a weight load: each row's result is its result alone
+    for i in range(6):
         assert torch.equal(y[i], kernels.gguf_matvec(x[i:i + 1], packed, qtype.value, rows, None)[0])
-    xq, dx = quantized_rows(x)
-    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).double().reshape(rows, -1, 32)
-    terms = torch.einsum("rbk,mbk->mrb", w, xq.double()) * dx.double()[:, None, :, 0]  # (m, rows, blocks)
+    assert torch.equal(y[:4], kernels.gguf_matvec(x[:4], packed, qtype.value, rows, None))
+    xq, dx = quantized_rows(x, values)
+    d, e, a, b = integer_parts(raw, qtype)
+    xq, dx = xq.double(), dx.double()[..., 0]
+    terms = (d[None] * torch.einsum("rbk,mbk->mrb", a, xq) + e[None] * torch.einsum("rbk,mbk->mrb", b, xq)) \
+        * dx[:, None, :]  # (m, rows, blocks)
     expected = terms.sum(-1)
     bound = 1e-5 * terms.abs().sum(-1) + 2.0 ** -8 * expected.abs()  # float32 sums, then bfloat16 output
     assert ((y.double() - expected).abs() <= bound).all()
 
 
+def plausible_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    """Blocks of qtype, which gguf cannot quantize to, in the place of matrix w: random quants and sub-block
+    scales, the float16 scales (d, and dmin or m) set so that the weights spread as w's do."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    float16_at = kernels.GGUF_TYPES[qtype.value].float16_at if qtype.value in kernels.GGUF_TYPES else (0,)
+    rows = w.shape[0]
+    raw = np.random.default_rng(w.size).integers(0, 256, (rows, w.shape[1] // size, nbytes), dtype=np.uint8)
+    for at in float16_at:
+        raw[..., at:at + 2] = np.array([1.0], np.float16).view(np.uint8)
+    scale = np.array([w.std() / dequantize(raw.reshape(rows, -1), qtype).std()], np.float16).view(np.uint8)
+    for at in float16_at:
+        raw[..., at:at + 2] = scale
+    return raw.reshape(rows, -1)
+
+
+def quantize_or_make_up(w: np.ndarray, qtype) -> np.ndarray:
+    try:
+        return quantize(w, qtype)
+    except NotImplementedError:
+        return plausible_blocks(w, qtype)
+
+
 def tiny_gguf(tiny_checkpoint, tmp_path, name, **types):
+    """A tiny model written as a GGUF (test_gguf.write_gguf), the types gguf cannot quantize to as plausible_blocks."""
     _, reference = tiny_checkpoint(name)
     path = tmp_path / f"{name}.gguf"
-    write_gguf(path, reference, arch="qwen2" if name.startswith("qwen2") else "llama", **types)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_gguf, "quantize", quantize_or_make_up)
+        write_gguf(path, reference, arch="qwen2" if name.startswith("qwen2") else "llama", **types)
     return path
 
 
 MIXED = {"model.layers.0.self_attn.v_proj.weight": Q.Q8_0, "model.layers.1.mlp.up_proj.weight": Q.BF16,
          "model.layers.1.self_attn.o_proj.weight": Q.F16, "model.layers.0.mlp.down_proj.weight": Q.Q5_0,
-         "model.embed_tokens.weight": Q.Q4_1}
+         "model.layers.1.mlp.gate_proj.weight": Q.Q5_1, "model.embed_tokens.weight": Q.Q4_1}
+# every K-quant, Q5_0 and Q5_1 in one model, its tied embedding Q6_K as in a Q4_K_M file
+K_MIXED = {"model.layers.0.self_attn.q_proj.weight": Q.Q2_K, "model.layers.0.self_attn.k_proj.weight": Q.Q3_K,
+           "model.layers.0.self_attn.v_proj.weight": Q.Q6_K, "model.layers.0.self_attn.o_proj.weight": Q.Q5_K,
+           "model.layers.0.mlp.gate_proj.weight": Q.Q5_0, "model.layers.0.mlp.up_proj.weight": Q.Q5_1,
+           "model.layers.1.mlp.down_proj.weight": Q.Q6_K, "model.embed_tokens.weight": Q.Q6_K}
 
 
 @needs_kernels
 @pytest.mark.parametrize("name,qtype,types", [
     ("llama_tied_gqa", Q.Q8_0, None), ("llama_tied_gqa", Q.Q4_0, None), ("llama", Q.Q4_1, None),
-    ("qwen2_sliding", Q.Q4_0, None), ("llama_tied_gqa", Q.Q4_0, MIXED)],
-    ids=["Q8_0-tied", "Q4_0-tied", "Q4_1", "Q4_0-qwen2-bias", "mixed"])
+    ("qwen2_sliding", Q.Q4_0, None), ("llama_tied_gqa", Q.Q4_0, MIXED), ("llama_wide", Q.Q4_K, K_MIXED)],
+    ids=["Q8_0-tied", "Q4_0-tied", "Q4_1", "Q4_0-qwen2-bias", "mixed", "K-quants-tied"])
 def test_logits_match_a_float32_model_of_the_dequantized_weights(tiny_checkpoint, tmp_path, name, qtype, types):
     """Under fp32 the stored blocks give the logits of float32 weights that gguf dequantized, up to float32
     summation order (1e-4 on logits of size ~1), and the same greedy tokens; bfloat16 stays within its rounding.
-    The mixed file fuses parts of different types (Q5_0 has no kernel: widened to float32, exactly)."""
+    The mixed files fuse parts of different types."""
     path = tiny_gguf(tiny_checkpoint, tmp_path, name, qtype=qtype, tensor_types=types)
     dense = CausalLM.load(path, device="cpu")
     stored = CausalLM.load(path, weight_format="gguf", device="cpu")
@@ -171,3 +251,15 @@ def test_the_default_model_as_stored_matches_its_dequantized_float32():
     stored_bytes = sum(p.weight.numel() for m in stored.blocks for p in m.modules() if isinstance(p, GGUFBlocks))
     assert stored_bytes < 0.2 * sum(w.numel() * 4 for k, w in dense.parameters().items() if "layers" in k)
     assert math.isfinite(float(stored.forward(ids).abs().max()))
+
+
+def test_a_type_without_kernels_is_refused_unless_dequantized_storage_is_asked_for(tiny_checkpoint, tmp_path):
+    """IQ4_NL has no kernel: weight_format "gguf" refuses the file naming the tensor and the type rather than
+    widening it to float32 behind the user's back; float32 storage dequantizes it, as gguf does."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama", qtype=Q.Q8_0, tensor_types={name: Q.IQ4_NL})
+    with pytest.raises(UnsupportedModel, match=r"'blk\.0\.ffn_up\.weight' has type IQ4_NL.*weight_format 'float32'"):
+        CausalLM.load(path, weight_format="gguf", device="cpu")
+    dense = CausalLM.load(path, weight_format="float32", device="cpu")
+    with GGUFFile(path) as f:
+        assert torch.equal(dense.parameters()[name], f.read(name))

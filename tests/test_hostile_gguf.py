@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFValueType as T
 
 import isolated
-from lmstack import CausalLM, CheckpointError, SafetensorsFile, Tokenizer
+from lmstack import CausalLM, CheckpointError, SafetensorsFile, Tokenizer, kernels
 from lmstack.gguf import GGUFFile, GGUFHeader
 from test_hostile import checkpoint_dir, gguf_file
 
@@ -93,6 +93,12 @@ def cut_then(path, what):
     else:
         for name in source.names():
             source.read(name)
+
+
+def stored(path, name):
+    """Tensor `name` as weight_format "gguf" keeps it."""
+    with GGUFFile(path) as f:
+        f.stored(name)
 
 
 def cut_safetensors(root):
@@ -259,6 +265,10 @@ TENSOR_LIES = {
     "last tensor said to be F16": (lambda offs: {len(offs) - 1: {"type": gguf.GGMLQuantizationType.F16}},
                                    ["after the last tensor", "belong to none"]),
     "tensor said to be Q8_0": (lambda offs: {0: {"type": gguf.GGMLQuantizationType.Q8_0}}, ["Q8_0"]),
+    # rows of 8 and 16 values: not whole blocks of 256 (K-quants) or 32
+    **{f"matrix said to be {q}": (lambda offs, q=q: {2: {"type": gguf.GGMLQuantizationType[q]}},
+                                  [q, f"multiple of {gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0]} values"])
+       for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")},
     "unknown type id 99": (lambda offs: {0: {"type": 99}}, ["unknown type id 99"]),
 }
 
@@ -304,6 +314,48 @@ def test_custom_alignment_reads_the_same_tensors(tmp_path):
             assert {t.offset % alignment for t in f.tensors.values()} == {0}
             writers[alignment] = {n: f.data(t).view(np.float32).tolist() for n, t in f.tensors.items()}
     assert writers[32] == writers[64] == {f"t{i}": (np.arange(size) + i).tolist() for i, size in enumerate((3, 17, 8))}
+
+
+# ---- class 3: blocks whose scales are not numbers -----------------------------------------------
+
+
+def test_block_scales_that_are_inf_or_nan_are_refused_naming_the_tensor(tiny_checkpoint, tmp_path):
+    """Every float16 scale of every block type the kernels take (d, and dmin or m), set to inf, -inf or nan in
+    one block of one row: refused by weight_format "gguf" naming the tensor, its type and the block."""
+    from test_gguf_blocks import BLOCK_TYPES, tiny_gguf
+
+    cases, name = {}, "model.layers.1.mlp.down_proj.weight"  # rows of 512: two blocks of 256
+    for qtype in BLOCK_TYPES:
+        kind = kernels.GGUF_TYPES[qtype.value]
+        path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_wide", qtype=qtype)
+        with GGUFHeader(path) as f:
+            t = f.tensors["blk.1.ffn_down.weight"]
+            row_bytes = t.dims[0] // kind.values * kind.bytes
+        data = path.read_bytes()
+        for i, at in enumerate(kind.float16_at):
+            for value in (0x7C00, 0xFC00, 0x7E01):
+                patched = bytearray(data)
+                where = t.offset + 5 * row_bytes + kind.bytes + at  # row 5, block 1
+                patched[where:where + 2] = struct.pack("<H", value)
+                target = tmp_path / f"{qtype.name}-{i}-{value:x}.gguf"
+                target.write_bytes(bytes(patched))
+                cases[target.stem] = (("stored", str(target), name),
+                                      [name, qtype.name, "inf or nan", "block 1 of row 5", f"bytes {at}"])
+        path.unlink()
+    all_refused(cases)
+
+
+def test_block_tensors_cut_short_are_refused_naming_the_tensor(tiny_checkpoint, tmp_path):
+    """A K-quant file missing the end of its last tensor, and one cut short while open."""
+    from test_gguf_blocks import tiny_gguf
+
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_wide", qtype=gguf.GGMLQuantizationType.Q6_K)
+    with GGUFHeader(path) as f:
+        last = max(f.tensors.values(), key=lambda t: t.offset)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[:last.offset + last.nbytes - 100])
+    all_refused({"short": (("open_gguf", str(short)), [str(short), f"tensor {last.name!r}", "runs past the data"]),
+                 "cut while open": (("cut_then", str(path), "load"), [str(path), "cut short"])})
 
 
 # ---- class 4: files cut short after they were opened ---------------------------------------------

@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
+from .kernels import GGUF_TYPES
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -47,8 +48,10 @@ SCALARS = {
 }
 TYPE_IDS = {t.value: t for t in GGUFValueType}
 QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
-# the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf")
-BLOCK_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+# the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf"), and those it keeps as exact
+# float tensors; any other type is refused under weight_format "gguf"
+BLOCK_TYPES = tuple(GGMLQuantizationType(i) for i in GGUF_TYPES)
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 _REQUIRED = object()
 
@@ -456,20 +459,34 @@ class GGUFFile(GGUFHeader):
         rows = dequantize(raw.reshape(-1, t.dims[0] // block * type_size), t.type)
         return self._hf_rows(name, torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(shape)))
 
+    def check_as_stored(self):
+        """Refuse, before reading a weight, a tensor weight_format "gguf" cannot keep as stored: its type neither a
+        block type lmstack's kernels multiply (BLOCK_TYPES) nor a float type (FLOAT_TYPES). Dequantizing it would
+        silently cost several times its bytes: that takes asking for float32 or bfloat16 storage."""
+        for t in self._tensors.values():
+            if t.type not in BLOCK_TYPES + FLOAT_TYPES:
+                raise UnsupportedModel(
+                    f"{self.path}: tensor {t.name!r} has type {t.type.name}, which weight_format 'gguf' cannot "
+                    f"multiply as stored (it takes {', '.join(q.name for q in BLOCK_TYPES + FLOAT_TYPES)}); "
+                    f"weight_format 'float32' or 'bfloat16' dequantizes it")
+
     def stored(self, name: str):
         """Tensor `name` as the file stores it, rows in Hugging Face's order: (ggml type id, (rows, bytes) uint8) for
-        the block types lmstack multiplies as stored (BLOCK_TYPES), else an exact tensor: BF16 as bfloat16, any
-        other type as float32 (F16 widened, other quantized types dequantized by `gguf`)."""
+        the block types lmstack multiplies as stored (BLOCK_TYPES), with every float16 scale finite; else an exact
+        tensor: BF16 as bfloat16, any other type as float32 (F16 widened, a 1-D block tensor dequantized)."""
         t = self._tensor(name)
         if t.type not in BLOCK_TYPES or len(t.dims) != 2:
             weight = self.read(name)
             check_finite(weight, self.path, name)
             return weight.bfloat16() if t.type == GGMLQuantizationType.BF16 else weight
-        block, type_size = gguf.GGML_QUANT_SIZES[t.type]
-        raw = self.data(t).reshape(t.dims[1], t.dims[0] // block, type_size)
-        scales = raw[..., :4 if t.type == GGMLQuantizationType.Q4_1 else 2].copy().view("<u2")
-        if ((scales & 0x7C00) == 0x7C00).any():
-            raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a scale that is inf or nan")
+        kind = GGUF_TYPES[t.type.value]
+        raw = self.data(t).reshape(t.dims[1], t.dims[0] // kind.values, kind.bytes)
+        for at in kind.float16_at:
+            scales = raw[..., at:at + 2].copy().view("<u2")
+            if ((scales & 0x7C00) == 0x7C00).any():
+                row, block = (int(i[0]) for i in np.nonzero((scales[..., 0] & 0x7C00) == 0x7C00))
+                raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a float16 scale that is inf "
+                                      f"or nan (bytes {at}..{at + 1} of block {block} of row {row})")
         return t.type.value, self._hf_rows(name, torch.from_numpy(raw.reshape(t.dims[1], -1)))
 
     def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:

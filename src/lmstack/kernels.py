@@ -18,10 +18,14 @@ import platform
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 NAME = "lmstack_kernels"
 STALE_LOCK_SECONDS = 600
@@ -165,12 +169,34 @@ def int4pack_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, n: i
 
 # ---- GGUF blocks as stored (kernels_gguf.cpp) ----------------------------------------------------
 
-# ggml type id -> (bytes of a 32-weight block, bytes before its quants: the float16 scale d and, for Q4_1,
-# the float16 offset m)
-GGUF_BLOCKS = {8: (34, 2), 2: (18, 2), 3: (20, 4)}  # Q8_0, Q4_0, Q4_1
+
+@dataclass(frozen=True)
+class BlockType:
+    """A GGUF block type the kernels multiply as stored, one row of kernels_gguf.cpp's TYPES: weights and bytes of
+    a block, where its float16 scales lie (d, and dmin or m: each must be finite), and whether pack_gguf regroups
+    its fields by tile (Q8_0, Q4_0, Q4_1, their scales first) or keeps each block whole. The reference
+    dequantization of every type is gguf.quants.dequantize."""
+
+    name: str
+    values: int
+    bytes: int
+    float16_at: tuple
+    regrouped: bool = False
 
 
-Q8_0 = 8
+GGUF_TYPES = {  # ggml type id -> its BlockType
+    8: BlockType("Q8_0", 32, 34, (0,), regrouped=True),
+    2: BlockType("Q4_0", 32, 18, (0,), regrouped=True),
+    3: BlockType("Q4_1", 32, 20, (0, 2), regrouped=True),
+    6: BlockType("Q5_0", 32, 22, (0,)),
+    7: BlockType("Q5_1", 32, 24, (0, 2)),
+    10: BlockType("Q2_K", 256, 84, (80, 82)),
+    11: BlockType("Q3_K", 256, 110, (108,)),
+    12: BlockType("Q4_K", 256, 144, (0, 2)),
+    13: BlockType("Q5_K", 256, 176, (0, 2)),
+    14: BlockType("Q6_K", 256, 210, (208,)),
+}
+Q8_0, Q4_0 = 8, 2
 
 
 def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
@@ -182,13 +208,17 @@ def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
 
 
 def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """(N, K / 32 * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / 32, record bytes):
-    for each TILE rows and 32-column block, the TILE scales, [the TILE offsets,] the TILE rows' quants
-    (padding rows are zeros; Q8_0's as kernels_gguf.cpp orders them)."""
-    block, head = GGUF_BLOCKS[qtype]
+    """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / values, record
+    bytes): for each TILE rows and column block, the TILE rows' blocks side by side, or, for a regrouped type, the
+    TILE scales, [the TILE offsets,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders them); padding rows
+    are zeros."""
+    kind = GGUF_TYPES[qtype]
     n = raw.shape[0]
-    blocks = F.pad(raw.reshape(n, -1, block), (0, 0, 0, 0, 0, -n % TILE))
-    tiled = blocks.view(-1, TILE, blocks.shape[1], block).transpose(1, 2)  # (tiles, K / 32, TILE, block)
+    blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % TILE))
+    tiled = blocks.view(-1, TILE, blocks.shape[1], kind.bytes).transpose(1, 2)  # (tiles, K / values, TILE, block)
+    if not kind.regrouped:
+        return tiled.reshape(*tiled.shape[:2], -1).contiguous()
+    head = 2 * len(kind.float16_at)
     fields = [tiled[..., i:i + 2] for i in range(0, head, 2)]
     quants = tiled[..., head:]
     fields.append(_q8_0_halves(quants) if qtype == Q8_0 else quants)
@@ -197,7 +227,8 @@ def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None):
     """x @ w.T + bias for the n rows of pack_gguf's blocks: float32 x with each weight dequantized exactly,
-    bfloat16 x quantized per 32 columns to int8 with integer dot products (kernels_gguf.cpp)."""
+    bfloat16 x quantized to int8 (per 256 columns as llama.cpp's Q8_K for the K-quants, per 32 for the others)
+    with integer dot products (kernels_gguf.cpp)."""
     return torch.ops.lmstack.gguf_matvec(x, packed, qtype, n, bias)
 
 
@@ -207,8 +238,14 @@ def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torc
     values rounded to bfloat16)."""
     if available():
         return torch.ops.lmstack.gguf_dequantize(packed, qtype, n, k, rows, dtype)
-    block, head = GGUF_BLOCKS[qtype]
+    kind = GGUF_TYPES[qtype]
     tiles, blocks = packed.shape[:2]
+    if not kind.regrouped:
+        raw = packed.reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, -1)[:n]
+        raw = raw if rows is None else raw[rows.reshape(-1)]
+        w = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(qtype)).astype(np.float32))
+        return w.reshape(*(rows.shape if rows is not None else (n,)), k).to(dtype)
+    head = 2 * len(kind.float16_at)
     scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).permute(2, 0, 3, 1, 4)
     scales = scales.contiguous().view(torch.float16).float().reshape(head // 2, -1, blocks, 1)  # (d[, m], rows, ..)
     q = packed[..., head * TILE:]
@@ -219,6 +256,6 @@ def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torc
         w = q.float() * scales[0]
     else:
         q = torch.cat((q & 15, q >> 4), dim=-1)
-        w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == 2 else scales[0] * q.float() + scales[1]
+        w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == Q4_0 else scales[0] * q.float() + scales[1]
     w = w.reshape(tiles * TILE, k)[:n]
     return (w if rows is None else w[rows]).to(dtype)

@@ -188,21 +188,316 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
   }
 }
 
-template <typename F>
-void with_gguf_type(int64_t type, const F& f) {
-  if (type == Q8_0) return f.template operator()<Q8_0>();
-  if (type == Q4_0) return f.template operator()<Q4_0>();
-  TORCH_CHECK(type == Q4_1, "gguf kernels: type ", type, " has no kernel (Q8_0, Q4_0, Q4_1 have)");
-  return f.template operator()<Q4_1>();
+// ---- blocks kept whole: Q5_0, Q5_1 and the K-quants ------------------------------------------------
+//
+// pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block side by
+// side: record (tile, block) = TILE whole blocks. Each type below says where its fields lie; both profiles go
+// through the same three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
+// value = byte - OFFSET), its integer sub-block scales and mins (`scales`), its float16 d and dmin. A weight is
+// (d * scale) * (byte - OFFSET) - dmin * min in float32, as gguf.quants.dequantize computes it (Q5_1's offset m
+// is dmin = -m with min 1: x - (-m) is x + m exactly).
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
 }
 
-void check_packed(const at::Tensor& w, int64_t type, int64_t N, int64_t K) {
+// 32 bytes broadcast to both halves of a register, shifted right (per 16-bit lane) by lo bits in the low half and
+// hi bits in the high half, masked to `mask`: one 64-byte chunk of bit fields packed 32 bytes apart
+inline __m512i fields(const uint8_t* p, int lo, int hi, uint8_t mask) {
+  const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+  const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(mask));
+}
+
+// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32
+inline void scales_6bit(const uint8_t* s, int32_t* sc, int32_t* mn) {
+  for (int j = 0; j < 4; j++) {
+    sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4), mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+struct Q5_0 {  // d, 32 high bits, 16 bytes of nibbles: w = d * (q - 16)
+  static constexpr int64_t ID = 6, QK = 32, BYTES = 22, SUB = 32, OFFSET = 16;
+  static constexpr bool MINS = false;
+  static void unpack(const uint8_t* b, __m512i* q) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 6)), low = _mm_set1_epi8(15);
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    uint32_t high;
+    std::memcpy(&high, b + 2, 4);
+    q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
+  }
+  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 0; }
+  static float d(const uint8_t* b) { return half_at(b); }
+  static float dmin(const uint8_t*) { return 0.0f; }
+};
+
+struct Q5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: w = d * q + m
+  static constexpr int64_t ID = 7, QK = 32, BYTES = 24, SUB = 32, OFFSET = 0;
+  static constexpr bool MINS = true;
+  static void unpack(const uint8_t* b, __m512i* q) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 8)), low = _mm_set1_epi8(15);
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    uint32_t high;
+    std::memcpy(&high, b + 4, 4);
+    q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
+  }
+  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 1; }
+  static float d(const uint8_t* b) { return half_at(b); }
+  static float dmin(const uint8_t* b) { return -half_at(b + 2); }
+};
+
+struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
+  static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0;
+  static constexpr bool MINS = true;
+  static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
+    for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
+  }
+  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+    for (int j = 0; j < 16; j++) sc[j] = b[j] & 15, mn[j] = b[j] >> 4;
+  }
+  static float d(const uint8_t* b) { return half_at(b + 80); }
+  static float dmin(const uint8_t* b) { return half_at(b + 82); }
+};
+
+struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales (- 32) per 16 weights, d
+  static constexpr int64_t ID = 11, QK = 256, BYTES = 110, SUB = 16, OFFSET = 4;
+  static constexpr bool MINS = false;
+  static void unpack(const uint8_t* b, __m512i* q) {  // q = low 2 bits + 4 * high bit: value q - 4
+    for (int c = 0; c < 4; c++) {
+      const __m512i low = fields(b + 32 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
+      q[c] = _mm512_or_si512(low, _mm512_slli_epi16(fields(b, 2 * c, 2 * c + 1, 1), 2));
+    }
+  }
+  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+    const uint8_t* s = b + 96;
+    for (int j = 0; j < 16; j++) sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+  }
+  static float d(const uint8_t* b) { return half_at(b + 108); }
+  static float dmin(const uint8_t*) { return 0.0f; }
+};
+
+struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
+  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0;
+  static constexpr bool MINS = true;
+  static void unpack(const uint8_t* b, __m512i* q) {  // weight 64c + 32s + l: nibble s of byte 32c + l
+    for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * c, 0, 4, 15);
+  }
+  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static float d(const uint8_t* b) { return half_at(b); }
+  static float dmin(const uint8_t* b) { return half_at(b + 2); }
+};
+
+struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
+  static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0;
+  static constexpr bool MINS = true;
+  static void unpack(const uint8_t* b, __m512i* q) {
+    for (int c = 0; c < 4; c++)
+      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
+  }
+  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static float d(const uint8_t* b) { return half_at(b); }
+  static float dmin(const uint8_t* b) { return half_at(b + 2); }
+};
+
+struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16 weights, d: w = d*sc*(q - 32)
+  static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32;
+  static constexpr bool MINS = false;
+  static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
+    const __m512i low = _mm512_set1_epi8(15);        // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
+    for (int h = 0; h < 2; h++) {
+      const __m512i v = _mm512_loadu_si512(b + 64 * h);
+      q[2 * h] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi16(fields(b + 128 + 32 * h, 0, 2, 3), 4));
+      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                     _mm512_slli_epi16(fields(b + 128 + 32 * h, 4, 6, 3), 4));
+    }
+  }
+  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
+  }
+  static float d(const uint8_t* b) { return half_at(b + 208); }
+  static float dmin(const uint8_t*) { return 0.0f; }
+};
+
+// one row's block, unpacked once for every row of x it meets
+template <class T>
+struct Unpacked {
+  static constexpr int CHUNKS = T::QK / 64 ? T::QK / 64 : 1;
+  __m512i q[CHUNKS];
+  alignas(64) int32_t sc[16] = {}, mn[16] = {};
+  float d, dmin;
+  explicit Unpacked(const uint8_t* b) : d(T::d(b)), dmin(T::dmin(b)) { T::unpack(b, q), T::scales(b, sc, mn); }
+};
+
+// the block's QK weights as float32, each exactly as gguf.quants.dequantize gives it
+template <class T>
+inline void dequant_block(const uint8_t* b, float* out) {
+  const Unpacked<T> u(b);
+  alignas(64) uint8_t bytes[Unpacked<T>::CHUNKS * 64];
+  for (int c = 0; c < Unpacked<T>::CHUNKS; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+  for (int g = 0; g < T::QK / 16; g++) {
+    const int j = g * 16 / T::SUB;
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * g)));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET)));
+    __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(u.sc[j])), v);
+    if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(u.mn[j])));
+    _mm512_storeu_ps(out + 16 * g, w);
+  }
+}
+
+// x's rows quantized for the integer dot products: K-quants as llama.cpp's Q8_K (per 256 values: the value of
+// largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale), Q5_0 and
+// Q5_1 per 32 values as the Q4_0 kernel does (d = amax / 127, q = rint(x * 127 / amax)); sums per 16 values
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> d;       // per block of QK
+  std::vector<int32_t> sums;  // per 16 values
+};
+
+void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int8_t* q, float* d, int32_t* sums) {
+  alignas(64) float v[256];
+  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += QK / 16) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < QK; i += 16) {
+      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
+      _mm512_store_ps(v + i, f);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(f));
+    }
+    const float a = _mm512_reduce_max_ps(amax);
+    float iscale;
+    if (QK == 256) {
+      int64_t first = 0;
+      while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first value of largest magnitude
+      iscale = a ? -127.0f / v[first] : 0.0f;
+      d[b] = a ? 1 / iscale : 0.0f;
+    } else {
+      d[b] = a / 127.0f;
+      iscale = a ? 127.0f / a : 0.0f;
+    }
+    for (int64_t i = 0; i < QK; i += 16) {
+      __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
+      qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
+      _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
+      sums[i / 16] = _mm512_reduce_add_epi32(qi);
+    }
+  }
+}
+
+// lane l of chunk c (weights 64c + 4l .. 64c + 4l + 3) belongs to sub-block index[c][l]
+template <class T>
+inline __m512i sub_block_lanes(int c) {
+  const __m512i l = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_add_epi32(_mm512_set1_epi32(c * 64 / T::SUB), _mm512_srli_epi32(l, T::SUB == 16 ? 2 : 3));
+}
+
+// one weight row's block with one row of quantized x (xq: the block's QK values, xd its scale, xs its sums per
+// 16): d * d_x * sum_j sc_j * (q_j - OFFSET) . x_j - dmin * d_x * sum_j min_j * sum(x_j), the sums over sub-blocks
+// exact in int32, as llama.cpp's vec_dot for the type
+template <class T>
+inline float dot_block(const Unpacked<T>& u, const int8_t* xq, float xd, const int32_t* xs) {
+  const __m512i scales = _mm512_load_si512(u.sc);
+  __m512i acc = _mm512_setzero_si512();
+  for (int c = 0; c < Unpacked<T>::CHUNKS; c++) {
+    const __m512i x = T::QK == 32 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xq))
+                                  : _mm512_loadu_si512(xq + 64 * c);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.q[c], x);
+    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(sub_block_lanes<T>(c), scales)));
+  }
+  int32_t isum = _mm512_reduce_add_epi32(acc), mins = 0;
+  for (int j = 0; j < T::QK / T::SUB; j++) {
+    const int32_t xsum = T::SUB == 16 ? xs[j] : xs[2 * j] + xs[2 * j + 1];
+    if constexpr (T::OFFSET != 0) isum -= T::OFFSET * u.sc[j] * xsum;
+    if constexpr (T::MINS) mins += u.mn[j] * xsum;
+  }
+  float sum = (xd * u.d) * float(isum);
+  if constexpr (T::MINS) sum -= (xd * u.dmin) * float(mins);
+  return sum;
+}
+
+// rows of x (M, K) times the TILE rows of tile t (its KB records from rec): sums[m * TILE + r]; acc: room for
+// M * TILE * 16 float32 partial sums (the float32 profile)
+template <class T>
+void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float* sums, float* acc) {
+  const int64_t K = x.size(-1), M = x.numel() / K, KB = K / T::QK, R = TILE * T::BYTES;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const float* xf = f32 ? static_cast<const float*>(x.data_ptr()) : nullptr;
+  alignas(64) float w[T::QK];
+  std::fill(sums, sums + M * TILE, 0.0f);
+  if (f32) std::fill(acc, acc + M * TILE * 16, 0.0f);
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    for (int r = 0; r < TILE; r++) {
+      const uint8_t* block = rec + r * T::BYTES;
+      if (f32) {
+        dequant_block<T>(block, w);
+        for (int64_t m = 0; m < M; m++) {
+          const float* xb = xf + m * K + b * T::QK;
+          __m512 a = _mm512_loadu_ps(acc + (m * TILE + r) * 16);
+          for (int i = 0; i < T::QK; i += 16) a = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), a);
+          _mm512_storeu_ps(acc + (m * TILE + r) * 16, a);
+        }
+      } else {
+        const Unpacked<T> u(block);
+        for (int64_t m = 0; m < M; m++)
+          sums[m * TILE + r] += dot_block<T>(u, xq.q.data() + m * K + b * T::QK, xq.d[m * KB + b],
+                                             xq.sums.data() + (m * K + b * T::QK) / 16);
+      }
+    }
+  }
+  if (f32)
+    for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
+}
+
+// ---- the table of types ------------------------------------------------------------------------
+
+struct TypeInfo {  // ggml's id, its name, weights per block, bytes of one (tile, block) record
+  int64_t id;
+  const char* name;
+  int64_t values, record;
+};
+template <class T>
+constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE * T::BYTES}; }
+constexpr TypeInfo TYPES[] = {
+    {Q8_0, "Q8_0", 32, record_bytes(Q8_0)}, {Q4_0, "Q4_0", 32, record_bytes(Q4_0)},
+    {Q4_1, "Q4_1", 32, record_bytes(Q4_1)}, kept_whole<Q5_0>("Q5_0"), kept_whole<Q5_1>("Q5_1"), kept_whole<Q2_K>("Q2_K"),
+    kept_whole<Q3_K>("Q3_K"), kept_whole<Q4_K>("Q4_K"), kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
+
+const TypeInfo& type_info(int64_t type) {
+  for (const TypeInfo& t : TYPES)
+    if (t.id == type) return t;
+  TORCH_CHECK(false, "gguf kernels: ggml type ", type, " has no kernel");
+}
+
+// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0 and Q4_1, whole.operator()<struct> for the rest
+template <typename Regrouped, typename Whole>
+void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole) {
+  switch (type) {
+    case Q8_0: return regrouped.template operator()<Q8_0>();
+    case Q4_0: return regrouped.template operator()<Q4_0>();
+    case Q4_1: return regrouped.template operator()<Q4_1>();
+    case Q5_0::ID: return whole.template operator()<Q5_0>();
+    case Q5_1::ID: return whole.template operator()<Q5_1>();
+    case Q2_K::ID: return whole.template operator()<Q2_K>();
+    case Q3_K::ID: return whole.template operator()<Q3_K>();
+    case Q4_K::ID: return whole.template operator()<Q4_K>();
+    case Q5_K::ID: return whole.template operator()<Q5_K>();
+    case Q6_K::ID: return whole.template operator()<Q6_K>();
+  }
+  type_info(type);  // refuses it by id
+}
+
+const TypeInfo& check_packed(const at::Tensor& w, int64_t type, int64_t N, int64_t K) {
+  const TypeInfo& t = type_info(type);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() && w.dim() == 3,
               "gguf kernels: w must be a contiguous 3-D uint8 CPU tensor");
-  TORCH_CHECK(K % 32 == 0 && w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K / 32 &&
-                  w.size(2) == record_bytes(type),
-              "gguf kernels: w must be packed as (", (N + TILE - 1) / TILE, ", ", K / 32, ", ", record_bytes(type),
-              "), got ", w.sizes());
+  TORCH_CHECK(K % t.values == 0 && w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K / t.values &&
+                  w.size(2) == t.record,
+              "gguf kernels: ", t.name, " w of ", N, " rows and ", K, " columns must be packed as (",
+              (N + TILE - 1) / TILE, ", ", K / t.values, ", ", t.record, "), got ", w.sizes());
+  return t;
 }
 
 // y = x @ w.T + bias for packed GGUF blocks w of `type` (N rows, K = x.size(-1) columns); x float32 or bfloat16,
@@ -211,8 +506,8 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
                        const std::optional<at::Tensor>& bias) {
   const at::Tensor x = x_.contiguous();
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "gguf_matvec: x must be a CPU tensor");
-  const int64_t K = x.size(-1), KB = K / 32, M = K ? x.numel() / K : 0;
-  check_packed(w, type, N, K);
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  const int64_t QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
   const bool f32 = x.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "gguf_matvec: x must be float32 or bfloat16");
   if (bias.has_value())
@@ -222,18 +517,29 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
-  XBlocks xb;
-  if (!f32) {
-    xb.q.resize(M * K), xb.d.resize(M * KB), xb.sum.resize(M * KB);
-    const auto* xp = static_cast<const c10::BFloat16*>(x.data_ptr());
-    for (int64_t m = 0; m < M; m++)
-      quantize_row(xp + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
-  }
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int64_t R = record_bytes(type), tiles = (N + TILE - 1) / TILE;
-  with_gguf_type(type, [&]<int64_t T>() {
-    at::parallel_for(0, tiles, std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1))),
-                     [&](int64_t t0, int64_t t1) {
+  const int64_t tiles = (N + TILE - 1) / TILE, grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
+  // row m's sums for the `rows` rows of w from n, plus the bias, into y
+  auto emit = [&](int64_t m, int64_t n, int64_t rows, const float* sums) {
+    if (f32) {
+      float* yp = static_cast<float*>(y.data_ptr()) + m * N + n;
+      const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) + n : nullptr;
+      for (int64_t r = 0; r < rows; r++) yp[r] = bp ? sums[r] + bp[r] : sums[r];
+    } else {
+      auto* yp = static_cast<c10::BFloat16*>(y.data_ptr()) + m * N + n;
+      const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) + n : nullptr;
+      for (int64_t r = 0; r < rows; r++) yp[r] = c10::BFloat16(bp ? sums[r] + float(bp[r]) : sums[r]);
+    }
+  };
+  const auto* xbf = f32 ? nullptr : static_cast<const c10::BFloat16*>(x.data_ptr());
+  auto regrouped = [&]<int64_t T>() {
+    XBlocks xb;
+    if (!f32) {
+      xb.q.resize(M * K), xb.d.resize(M * KB), xb.sum.resize(M * KB);
+      for (int64_t m = 0; m < M; m++)
+        quantize_row(xbf + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
+    }
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       float sums[MAX_ROWS][TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
@@ -253,22 +559,29 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
               for (int64_t i = 0; i < block; i++)
                 dot_q8_tile<T, 1>(q + i * K, d + i * KB, s + i * KB, rec, KB, sums + i);
           }
-          for (int64_t i = 0; i < block; i++) {
-            const int64_t m = m0 + i;
-            if (f32) {
-              float* yp = static_cast<float*>(y.data_ptr()) + m * N + n;
-              const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) + n : nullptr;
-              for (int64_t r = 0; r < rows; r++) yp[r] = bp ? sums[i][r] + bp[r] : sums[i][r];
-            } else {
-              auto* yp = static_cast<c10::BFloat16*>(y.data_ptr()) + m * N + n;
-              const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) + n : nullptr;
-              for (int64_t r = 0; r < rows; r++) yp[r] = c10::BFloat16(bp ? sums[i][r] + float(bp[r]) : sums[i][r]);
-            }
-          }
+          for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
       }
     });
-  });
+  };
+  auto whole = [&]<class T>() {
+    XQuant xq;
+    if (!f32) {
+      xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * K / 16);
+      for (int64_t m = 0; m < M; m++)
+        quantize_x(xbf + m * K, K, QK, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * K / 16);
+    }
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<float> sums(M * TILE);
+      std::vector<float> acc(f32 ? M * TILE * 16 : 0);
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t n = t * TILE, rows = std::min(TILE, N - n);
+        whole_tile<T>(x, xq, wp + t * KB * R, sums.data(), acc.data());
+        for (int64_t m = 0; m < M; m++) emit(m, n, rows, sums.data() + m * TILE);
+      }
+    });
+  };
+  with_gguf_type(type, regrouped, whole);
   return y;
 }
 
@@ -277,7 +590,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t K,
                            const std::optional<at::Tensor>& rows_, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_dequantize: dtype must be float32 or bfloat16");
-  check_packed(w, type, N, K);
+  const int64_t QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
   at::Tensor rows;
   std::vector<int64_t> shape;
   if (rows_.has_value()) {
@@ -289,15 +602,15 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   }
   shape.push_back(K);
   at::Tensor out = at::empty(shape, w.options().dtype(dtype));
-  const int64_t count = out.numel() / std::max<int64_t>(K, 1), KB = K / 32, R = record_bytes(type);
+  const int64_t count = out.numel() / std::max<int64_t>(K, 1);
   const int64_t* rp = rows_.has_value() ? rows.data_ptr<int64_t>() : nullptr;
   if (rp)
     for (int64_t i = 0; i < count; i++) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "gguf_dequantize: row ", rp[i], " of ", N);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   const bool bf16 = dtype == at::kBFloat16;
   void* op = out.data_ptr();
-  with_gguf_type(type, [&]<int64_t T>() {
-    const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
+  auto regrouped = [&]<int64_t T>() {
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; i++) {
         const int64_t n = rp ? rp[i] : i, r = n % TILE;
@@ -312,7 +625,21 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
         }
       }
     });
-  });
+  };
+  auto whole = [&]<class T>() {
+    at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
+      alignas(64) float v[T::QK];
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t n = rp ? rp[i] : i;
+        const uint8_t* block = wp + (n / TILE) * KB * R + (n % TILE) * T::BYTES;
+        for (int64_t b = 0; b < KB; b++, block += R) {
+          dequant_block<T>(block, v);
+          for (int64_t j = 0; j < T::QK; j += 16) lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
+        }
+      }
+    });
+  };
+  with_gguf_type(type, regrouped, whole);
   return out;
 }
 

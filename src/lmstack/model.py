@@ -309,6 +309,8 @@ class CausalLM:
             if weight_format == "gguf" and not isinstance(source, GGUFFile):
                 raise ValueError(f"weight_format 'gguf' keeps a GGUF file's tensors as stored: "
                                  f"{source.path} is not a GGUF file")
+            if weight_format == "gguf":
+                source.check_as_stored()
             _check_tensors(plan, source)
             self.plan, self.config, self.eos_ids = plan, config, tuple(eos)  # eos_ids: where generation may stop
             self.weight_format, self.vocab_size = weight_format, plan.vocab_size
