@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
+from quantize import quantize  # gguf's, and the K types gguf cannot quantize
 
 from lmstack import CausalLM, Tokenizer, UnsupportedModel
 from lmstack.gguf import LAYER_NAMES, NAMES, GGUFFile, is_gguf
