@@ -6,9 +6,10 @@ packing below is the inverse of the layout gguf's dequantization reads. Other ty
 `quantize`.
 """
 
+import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as Q
-from gguf.quants import quantize as gguf_quantize
+from gguf import GGMLQuantizationType as Q, GGUFValueType
+from gguf.quants import dequantize, quantize as gguf_quantize
 
 QK_K = 256
 
@@ -116,3 +117,55 @@ def quantize(weight: np.ndarray, qtype: Q) -> np.ndarray:
         raise ValueError(f"{qtype.name} takes rows of a multiple of {QK_K} values, not {weight.shape[-1]}")
     blocks = np.asarray(weight, dtype=np.float32).reshape(-1, QK_K)
     return K_QUANTIZERS[qtype](blocks).reshape(*weight.shape[:-1], -1)
+
+
+# llama.cpp's quantizer: for a row length that is not a multiple of 256, the type it takes instead
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def k_m(base: Q, more: Q):
+    """A "_K_M" mix in llama.cpp's manner (gguf names): the head (or the tied embedding) in Q6_K, attn_v and
+    ffn_down in `more` on more_bits layers, the rest of the matrices in `base`, norms as they are."""
+    def choose(name: str, n_layers: int, tied: bool) -> Q | None:
+        if name.endswith("norm.weight") or not name.endswith(".weight"):
+            return None
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            return Q.Q6_K
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]), n_layers):
+            return more
+        return base
+    return choose
+
+
+def requantize_gguf(src, dst, choose):
+    """Write GGUF `src` again as `dst`, metadata copied, each matrix in choose(gguf name, layers, tied) (None: kept)
+    or its FALLBACK where a row's length is not a multiple of 256. The q/k rows keep llama.cpp's order."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    n_layers = reader.fields[f"{arch}.block_count"].contents()
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    writer = gguf.GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(key, field.contents(), kind, field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        qtype = choose(t.name, n_layers, tied) if len(shape) == 2 else None
+        if qtype is None or qtype == t.tensor_type:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        qtype = FALLBACK.get(qtype, qtype) if shape[-1] % QK_K else qtype
+        weight = dequantize(t.data, t.tensor_type).reshape(shape)
+        writer.add_tensor(t.name, quantize(weight, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -10,12 +10,11 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from quantize import FALLBACK
 from test_gguf import write_gguf
 
 from lmstack import CausalLM
 
-# llama.cpp's quantizer, for a row length that is not a multiple of 256: the type it takes instead
-FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 
 
