@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
+from quantize import quantize  # gguf's, and the K types gguf cannot quantize
 
 from lmstack import CausalLM, Tokenizer, UnsupportedModel
 from lmstack.families.transformer import GGUF_LAYER_NAMES, GGUF_NAMES
