@@ -7,6 +7,13 @@ So every INTERVAL seconds (checked between tokens) `Threads.adapt` takes the CPU
 run on spent on other processes (their busy time in /proc/stat, less this process's own) and runs as many threads
 as cores were left free, at least one and never more than the caller's torch.get_num_threads().
 
+Only competitors count. Processes of lower priority than this one are not: the scheduler gives a core to a nice 0
+thread at once over a nice 19 batch job (a compile, an indexer), so counting the job would halve the threads and
+let it fill the freed core for good. /proc/stat's `nice` column is the user time of processes with nice > 0; at
+nice 0 or below, this process leaves it out (its own user time is in `user` then). A niced process cannot tell
+from /proc/stat whether another niced one runs above or below it, so it counts them all, as before. System time
+is not split by priority in /proc/stat and always counts.
+
 `release_team` is for a thread that hands its computing to another (an engine's stepping thread): see there.
 """
 
@@ -21,21 +28,28 @@ TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 OMP_PAUSE_SOFT = 1
 
 
-def _busy_seconds(cpus: set[int]) -> float | None:
-    """CPU seconds the given cores spent on anything but idle and I/O wait since boot; None without /proc/stat."""
+def _read_stat() -> str | None:
     try:
         with open("/proc/stat") as f:
-            lines = f.read().splitlines()
+            return f.read()
     except OSError:
         return None
+
+
+def _busy_seconds(cpus: set[int], count_niced: bool) -> float | None:
+    """CPU seconds the given cores spent on anything but idle and I/O wait since boot, niced processes' user time
+    only if count_niced; None without /proc/stat."""
+    stat = _read_stat()
+    if stat is None:
+        return None
     busy = 0
-    for line in lines:
+    for line in stat.splitlines():
         name, *fields = line.split()
         if not name.startswith("cpu") or name == "cpu":
             continue
-        if int(name[3:]) in cpus:  # user nice system idle iowait irq softirq steal ...
-            values = [int(v) for v in fields[:8]]
-            busy += sum(values) - values[3] - values[4]
+        if int(name[3:]) in cpus:
+            user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+            busy += user + system + irq + softirq + steal + (nice if count_niced else 0)
     return busy / TICK
 
 
@@ -50,6 +64,7 @@ class Threads:
     def __init__(self):
         self.limit = torch.get_num_threads()
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.count_niced = hasattr(os, "getpriority") and os.getpriority(os.PRIO_PROCESS, 0) > 0  # the docstring
         self.last = None  # (wall, busy, own) seconds at the last measurement
 
     def adapt(self):
@@ -58,7 +73,7 @@ class Threads:
         now = time.monotonic()
         if self.last is not None and now - self.last[0] < INTERVAL:
             return
-        busy = _busy_seconds(self.cpus)
+        busy = _busy_seconds(self.cpus, self.count_niced)
         if busy is None:
             self.cpus = set()
             return
