@@ -328,7 +328,7 @@ def create_app(service: Service) -> Starlette:
 
     middleware = [Middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["*"],
                              allow_headers=["*"])] if service.cors_origins else []
-    return Starlette(routes=[
+    return _App(routes=[
         route("/v1/chat/completions", chat, ["POST"]),
         route("/v1/completions", completions, ["POST"]),
         route("/v1/models", models, ["GET"]),
@@ -450,7 +450,7 @@ class _EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         handle = self.record.handle
-        transport = _transport(send)
+        transport = scope.get("lmstack.transport")
         if transport is not None:
             _bound_buffers(transport, self.service.send_buffer)
         try:
@@ -480,9 +480,13 @@ class _EventStream(StreamingResponse):
             _finish(self.service, self.record)
 
 
-def _transport(send):
-    """The asyncio transport behind uvicorn's `send` (None under another server or a wrapping middleware)."""
-    return getattr(getattr(send, "__self__", None), "transport", None)
+class _App(Starlette):
+    """The routes, each request's scope also holding its connection's asyncio transport ("lmstack.transport"):
+    uvicorn's `send` is bound to it (None under another server), and a stream needs it to cut a client off."""
+
+    async def __call__(self, scope, receive, send):
+        scope["lmstack.transport"] = getattr(getattr(send, "__self__", None), "transport", None)
+        await super().__call__(scope, receive, send)
 
 
 def _bound_buffers(transport, size: int):
