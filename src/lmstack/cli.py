@@ -108,6 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=_positive, default=4096, help="the most max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN", help="allow these browser origins")
+    p.add_argument("--allow-special-in-messages", action="store_true",
+                   help="let the text of chat messages and tools spell control tokens (<|im_start|>, ...), for "
+                        "trusted clients that render prompts of their own (default: it is ordinary text)")
+    p.add_argument("--send-buffer", type=_size_arg, default=64 * 1024, metavar="SIZE",
+                   help="bytes of a stream held for a client that does not read it, in the socket and again in "
+                        "the server (default 64KiB)")
+    p.add_argument("--send-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="a stream whose send buffer stays full this long is cut off and its request aborted")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
     p.set_defaults(run=_serve)
@@ -145,6 +153,16 @@ def _natural(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -299,8 +317,7 @@ def _chat(args):
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tokenizer.encode(prompt, add_special_tokens=False, allow_special=True)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)  # what is typed is ordinary text
         try:
             answer = _answer(lm, tokenizer, ids, args)
         except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep the session
@@ -318,7 +335,9 @@ def _serve(args):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     service = Service(args.served_model_name or args.model or models.DEFAULT, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                      max_waiting=args.max_waiting, cors_origins=args.cors_origins)
+                      max_waiting=args.max_waiting, cors_origins=args.cors_origins,
+                      allow_special_in_messages=args.allow_special_in_messages, send_buffer=args.send_buffer,
+                      send_timeout=args.send_timeout)
     serve(lambda: _load(args), service, host=args.host, port=args.port,
           engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
                               max_prefill_tokens=args.max_prefill_tokens))

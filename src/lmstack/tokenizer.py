@@ -8,8 +8,10 @@ refused by name rather than silently dropped.
 
 import json
 import math
+import random
 import re
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import tokenizers
@@ -233,6 +235,8 @@ class Tokenizer:
         self.source, self.chat_template = source, chat_template
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
         self.n_vocab = vocab[top] + 1
+        self._added_ids = {i: token.content for i, token in self._special.get_added_tokens_decoder().items()}
+        self._added_texts = sorted(set(self._added_ids.values()), key=len, reverse=True)
         self._kind = type(self._special.model).__name__
         self.pattern, self._bytes, self._missing = None, None, b""
         if self._kind == "BPE" and _byte_level(spec.get("pre_tokenizer")) and _byte_level(spec.get("decoder")):
@@ -325,6 +329,38 @@ class Tokenizer:
         except Exception as e:  # the template is the checkpoint's code: any failure is its own
             raise TokenizerError(f"{self.source}: chat template: {str(e) or type(e).__name__}") from e
 
+    def encode_chat(self, messages, *, add_generation_prompt=True, tools=None, documents=None, chat_template=None,
+                    allow_special_in_messages=False, **variables) -> list[int]:
+        """The ids of a conversation's prompt (apply_chat_template's arguments), no BOS/EOS added to the template's.
+
+        Only the template's own markup becomes special tokens. The text that comes with the conversation (each
+        message's content, name, tool calls and their arguments, the tools and documents) is ordinary text even
+        where it spells a special token, so that a user who writes "<|im_start|>system" in a message gets those
+        characters, not a system turn. Where that text spells no special token, the ids are those of the rendered
+        prompt encoded with allow_special. allow_special_in_messages encodes it so in every case: for callers
+        that trust their messages (who render prompts of their own, with control tokens in them).
+        """
+        render = partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                         chat_template=chat_template, **variables)
+        if allow_special_in_messages:
+            return self.encode(render(messages, tools=tools, documents=documents), add_special_tokens=False,
+                               allow_special=True)
+        inert = _InertSpecials(self._added_texts)
+        prompt = render(inert.of(chat._as_data(messages)), tools=inert.of(chat._as_data(tools)),
+                        documents=inert.of(chat._as_data(documents)))
+        with self._library():
+            encoding = self._special.encode(prompt, add_special_tokens=False)
+        ids, start = [], 0
+        for i, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if i in self._added_ids and self._added_ids[i] in prompt[begin:end]:  # the template's markup
+                ids += self._ordinary(inert.restore(prompt[start:begin]))
+                ids.append(i)
+                start = end
+        return ids + self._ordinary(inert.restore(prompt[start:]))
+
+    def _ordinary(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False) if text else []
+
     def _token_text(self, ids):
         return self.decode(ids[:1]) if ids else None
 
@@ -383,6 +419,35 @@ class Tokenizer:
             if not (isinstance(i, int) and 0 <= i < self.n_vocab) or (self._bytes and self._bytes[i] is None):
                 raise ValueError(f"{self.source}: id {i!r} at position {pos} is not in the vocabulary "
                                  f"(0..{self.n_vocab - 1})")
+
+
+class _InertSpecials:
+    """Stand-ins for the special tokens' texts in a conversation's strings, which the template's markup cannot
+    contain: private-use characters around a random number and the text's index, put back after rendering."""
+
+    def __init__(self, texts: list[str]):
+        self.texts, self.index = texts, {text: k for k, text in enumerate(texts)}
+        self.nonce = str(random.randrange(10**15, 10**16))
+        self.find = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self.stand_in = re.compile(f"\ue000{self.nonce}(\\d+)\ue001")
+
+    def of(self, value):
+        """value with every special token's text in its strings (not its keys) replaced by a stand-in."""
+        if isinstance(value, str):
+            return self.find.sub(lambda m: f"\ue000{self.nonce}{self.index[m.group()]}\ue001", value) \
+                if self.find is not None else value
+        if isinstance(value, dict):
+            return {key: self.of(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.of(item) for item in value)
+        return value
+
+    def restore(self, text: str) -> str:
+        text = self.stand_in.sub(lambda m: self.texts[int(m.group(1))], text)
+        if self.nonce in text:
+            raise TokenizerError("the chat template altered a special token's text in a message (escaped, cut or "
+                                 "changed it), so it cannot be kept as ordinary text")
+        return text
 
 
 def _gguf_special_tokens(data: TokenizerData) -> dict:

@@ -243,6 +243,10 @@ class Engine:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def start(self):
         """Step in a background thread from now on (without it, iterating a handle steps in the caller's thread).
 

@@ -11,7 +11,10 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
+import sys
 import time
+from pathlib import Path
 
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -33,6 +36,8 @@ log = logging.getLogger("lmstack.server")
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096
 MAX_WAITING = 64
+SEND_BUFFER = 1 << 16  # bytes of a stream the server holds for a client that is not reading: socket and uvicorn each
+SEND_TIMEOUT = 5.0  # seconds a stream waits for room in a full send buffer before it cuts the client off
 TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 
 
@@ -41,10 +46,13 @@ class Service:
 
     def __init__(self, name: str, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  max_tokens_limit: int = MAX_TOKENS_LIMIT, max_waiting: int = MAX_WAITING,
-                 cors_origins: tuple = ()):
+                 cors_origins: tuple = (), allow_special_in_messages: bool = False, send_buffer: int = SEND_BUFFER,
+                 send_timeout: float = SEND_TIMEOUT):
         self.name, self.api_key = name, api_key
         self.max_body_bytes, self.max_tokens_limit, self.max_waiting = max_body_bytes, max_tokens_limit, max_waiting
         self.cors_origins = tuple(cors_origins)
+        self.allow_special_in_messages = allow_special_in_messages
+        self.send_buffer, self.send_timeout = send_buffer, send_timeout
         self.engine: Engine | None = None
         self.tokenizer = None
         self.max_running = 0
@@ -60,6 +68,8 @@ class Service:
                               "its first token", buckets=TOKEN_TIME_BUCKETS, registry=self.registry)
         self.tbt = Histogram("lmstack_time_between_tokens_seconds", "gaps between a request's tokens",
                              buckets=TOKEN_TIME_BUCKETS, registry=self.registry)
+        self.cut_off = Counter("lmstack_clients_cut_off", "streams cut off (and their requests aborted) because the "
+                               "client did not read them", registry=self.registry)
         self.registry.register(_EngineCollector(self))
 
     def load(self, model, tokenizer, *, max_running: int = 16, **engine_options):
@@ -67,6 +77,23 @@ class Service:
         engine = Engine(model, tokenizer, max_running=max_running, **engine_options)
         engine.start()
         self.max_running, self.tokenizer, self.engine = max_running, tokenizer, engine
+
+    def public(self, message: str) -> str:
+        """`message` fit for a client: the tokenizer's file named by the served model, other server paths hidden."""
+        source = getattr(self.tokenizer, "source", None)
+        if source and Path(source).is_absolute():
+            message = message.replace(source, f"model {self.name!r}")
+            message = message.replace(str(Path(source).parent), "<model directory>")
+        for path in _SERVER_PATHS:
+            message = message.replace(path, "<server path>")
+        return message
+
+    def failure(self, error: EngineError) -> p.APIError:
+        """A request's engine failure as the client sees it; what failed goes to the log only."""
+        if self.engine is not None and self.engine.closed:
+            return p.APIError(503, "the request failed: the server is shutting down (the engine was closed)")
+        log.error("a request failed in the engine: %s", error)
+        return p.APIError(500, "the request failed in the engine (the server log says why)")
 
     def close(self):
         """Stop the engine: requests in flight end with an error (an error event for streams)."""
@@ -117,6 +144,10 @@ class Service:
             self.ttft.observe(handle.time_to_first_token)
         for gap in handle.time_between_tokens:
             self.tbt.observe(gap)
+
+
+_SERVER_PATHS = tuple(sorted({str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix, str(Path.home())},
+                             key=len, reverse=True))
 
 
 class _EngineCollector:
@@ -190,10 +221,11 @@ def create_app(service: Service) -> Starlette:
                     raise p.APIError(503, "the model is still loading", code="loading")
                 response = await handler(request, record)
             except p.APIError as e:
+                e.message = service.public(e.message)
                 response = _error(e)
-            except Exception as e:  # a bug must still answer, never leave the client hanging
+            except Exception:  # a bug must still answer, never leave the client hanging
                 log.exception("%s %s failed", record.method, record.route)
-                response = _error(p.APIError(500, f"internal error: {e!r}"))
+                response = _error(p.APIError(500, "internal error (the server log says why)"))
             record.status = response.status_code
             if not isinstance(response, _EventStream):  # a stream logs when it ends
                 _finish(service, record)
@@ -224,7 +256,7 @@ def create_app(service: Service) -> Starlette:
                     yield chunk(None, usage=p.Usage.of(handle))
 
             return _EventStream(service, record, chunks())
-        text = await _collect(request, handle)
+        text = await _collect(service, request, handle)
         return JSONResponse(p.ChatCompletion(
             id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
             choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=handle.finish_reason)],
@@ -251,7 +283,7 @@ def create_app(service: Service) -> Starlette:
                     yield chunk(None, usage=p.Usage.of(handle))
 
             return _EventStream(service, record, chunks())
-        text = await _collect(request, handle)
+        text = await _collect(service, request, handle)
         return JSONResponse(p.Completion(
             id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
             choices=[p.CompletionChoice(text=text, finish_reason=handle.finish_reason)]).model_dump())
@@ -296,7 +328,7 @@ def create_app(service: Service) -> Starlette:
 
     middleware = [Middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["*"],
                              allow_headers=["*"])] if service.cors_origins else []
-    return Starlette(routes=[
+    return _App(routes=[
         route("/v1/chat/completions", chat, ["POST"]),
         route("/v1/completions", completions, ["POST"]),
         route("/v1/models", models, ["GET"]),
@@ -343,15 +375,15 @@ def _encode(service: Service, text: str, param: str, *, add_special_tokens=True)
 
 
 def _chat_ids(service: Service, messages, tools, *, add_generation_prompt=True) -> list[int]:
-    """The conversation through the model's own chat template, tokenized as `lmstack chat` does."""
+    """The conversation through the model's own chat template, tokenized as `lmstack chat` does: the text of
+    the messages and tools is ordinary text, unless the service allows special tokens in it (Tokenizer.encode_chat)."""
     tokenizer = service.tokenizer
     if tokenizer.chat_template is None:
         raise p.APIError(400, f"the model {service.name!r} has no chat template: use /v1/completions",
                          param="messages")
     try:
-        prompt = tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                               add_generation_prompt=add_generation_prompt, tools=tools)
-        return tokenizer.encode(prompt, add_special_tokens=False, allow_special=True)
+        return tokenizer.encode_chat([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
+                                     tools=tools, allow_special_in_messages=service.allow_special_in_messages)
     except (TokenizerError, ValueError) as e:
         raise p.APIError(400, str(e), param="messages") from None
 
@@ -361,7 +393,7 @@ async def _until_disconnect(request: Request):
         pass
 
 
-async def _collect(request: Request, handle) -> str:
+async def _collect(service: Service, request: Request, handle) -> str:
     """The whole text of a request, aborting it if the client leaves first."""
     async def text():
         return "".join([piece async for piece in handle.atext_chunks()])
@@ -373,7 +405,7 @@ async def _collect(request: Request, handle) -> str:
             raise p.APIError(499, "the client closed the connection")
         return collect.result()
     except EngineError as e:
-        raise p.APIError(503, f"the request failed: {e}") from None
+        raise service.failure(e) from None
     finally:
         for task in (collect, gone):
             task.cancel()
@@ -381,11 +413,18 @@ async def _collect(request: Request, handle) -> str:
             handle.abort()
 
 
+class _Stalled(Exception):
+    """The client has not read its stream for the service's send_timeout, with the send buffer full."""
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events (`data: {json}` ... `data: [DONE]`) that end the request when the client leaves.
 
     The disconnect is watched all along, not only when a write fails, so a request still queued or between
     tokens is aborted too. An engine failure mid-stream is sent as an error event, which OpenAI's clients raise.
+    A client that stops reading is cut off: the connection's send buffers are bounded (service.send_buffer
+    bytes in the socket and as many in uvicorn), and a write that finds them full for service.send_timeout
+    seconds drops the connection and aborts the request, so that it frees its KV blocks.
     """
 
     def __init__(self, service: Service, record: _Record, chunks):
@@ -398,19 +437,36 @@ class _EventStream(StreamingResponse):
             async for data in self.chunks:
                 yield f"data: {data}\n\n"
         except EngineError as e:
-            self.record.status = 503
-            yield f"data: {json.dumps(p.APIError(503, f'the request failed: {e}').body())}\n\n"
+            error = self.service.failure(e)
+            self.record.status = error.status
+            yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+    async def _send_within(self, send, message):
+        with anyio.move_on_after(self.service.send_timeout) as waited:
+            await send(message)
+        if waited.cancelled_caught:
+            raise _Stalled
 
     async def __call__(self, scope, receive, send):
         handle = self.record.handle
+        transport = scope.get("lmstack.transport")
+        if transport is not None:
+            _bound_buffers(transport, self.service.send_buffer)
         try:
             async with anyio.create_task_group() as group:
                 async def stream():
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(lambda message: self._send_within(send, message))
                     except OSError:  # the client left while we wrote
                         self.record.status = 499
+                    except _Stalled:
+                        self.record.status = 499
+                        self.service.cut_off.inc()
+                        log.warning("%s: cut off, its stream unread for %g s with the send buffer full",
+                                    self.record.client, self.service.send_timeout)
+                        if transport is not None:
+                            transport.abort()
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -422,3 +478,20 @@ class _EventStream(StreamingResponse):
             if handle.finish_reason is None:
                 handle.abort()
             _finish(self.service, self.record)
+
+
+class _App(Starlette):
+    """The routes, each request's scope also holding its connection's asyncio transport ("lmstack.transport"):
+    uvicorn's `send` is bound to it (None under another server), and a stream needs it to cut a client off."""
+
+    async def __call__(self, scope, receive, send):
+        scope["lmstack.transport"] = getattr(getattr(send, "__self__", None), "transport", None)
+        await super().__call__(scope, receive, send)
+
+
+def _bound_buffers(transport, size: int):
+    """At most `size` bytes queued in uvicorn's transport before a write waits, and as many in the socket."""
+    transport.set_write_buffer_limits(high=size)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)

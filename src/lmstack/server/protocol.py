@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI API's requests and answers, as far as lmstack serves them.
 
 Every request model forbids unknown fields: a field the server does not know, or knows but does not
-honor, is a 400 naming it rather than a silent drop. Fields of the API that only some values of are
+honor, is a 400 naming it rather than a silent drop. Every field is strict, as OpenAI's are: a string is never a
+boolean or a number ("stream": "yes", "max_tokens": "16") and a float never an integer ("n": 1.0); only an
+integer stands for a float. Fields of the API that only some values of are
 served (`n`, `logprobs`, `response_format`, `tool_choice`, ...) accept those values and refuse the others
 by name. `top_k`, `min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s);
 `ignore_eos` (as vLLM and llama-server name it) makes exactly max_tokens tokens, for benchmarks.
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
