@@ -213,7 +213,7 @@ inline __m512i fields(const uint8_t* p, int lo, int hi, uint8_t mask) {
 }
 
 // Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32
-inline void scales_6bit(const uint8_t* s, int32_t* sc, int32_t* mn) {
+inline void scales_6bit(const uint8_t* s, int16_t* sc, int16_t* mn) {
   for (int j = 0; j < 4; j++) {
     sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
     sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4), mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
@@ -230,7 +230,7 @@ struct Q5_0 {  // d, 32 high bits, 16 bytes of nibbles: w = d * (q - 16)
     std::memcpy(&high, b + 2, 4);
     q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
   }
-  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 0; }
+  static void scales(const uint8_t*, int16_t* sc, int16_t* mn) { sc[0] = 1, mn[0] = 0; }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -245,7 +245,7 @@ struct Q5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: w = d * q + m
     std::memcpy(&high, b + 4, 4);
     q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
   }
-  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 1; }
+  static void scales(const uint8_t*, int16_t* sc, int16_t* mn) { sc[0] = 1, mn[0] = 1; }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return -half_at(b + 2); }
 };
@@ -256,7 +256,7 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
     for (int j = 0; j < 16; j++) sc[j] = b[j] & 15, mn[j] = b[j] >> 4;
   }
   static float d(const uint8_t* b) { return half_at(b + 80); }
@@ -272,7 +272,7 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
       q[c] = _mm512_or_si512(low, _mm512_slli_epi16(fields(b, 2 * c, 2 * c + 1, 1), 2));
     }
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
     const uint8_t* s = b + 96;
     for (int j = 0; j < 16; j++) sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
   }
@@ -286,7 +286,7 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 64c + 32s + l: nibble s of byte 32c + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * c, 0, 4, 15);
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) { scales_6bit(b + 4, sc, mn); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -298,7 +298,7 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) { scales_6bit(b + 4, sc, mn); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -315,7 +315,7 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
                                      _mm512_slli_epi16(fields(b + 128 + 32 * h, 4, 6, 3), 4));
     }
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
+  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
     for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
   }
   static float d(const uint8_t* b) { return half_at(b + 208); }
@@ -327,7 +327,7 @@ template <class T>
 struct Unpacked {
   static constexpr int CHUNKS = T::QK / 64 ? T::QK / 64 : 1;
   __m512i q[CHUNKS];
-  alignas(64) int32_t sc[16] = {}, mn[16] = {};
+  alignas(32) int16_t sc[16] = {}, mn[16] = {};
   float d, dmin;
   explicit Unpacked(const uint8_t* b) : d(T::d(b)), dmin(T::dmin(b)) { T::unpack(b, q), T::scales(b, sc, mn); }
 };
@@ -350,19 +350,21 @@ inline void dequant_block(const uint8_t* b, float* out) {
 
 // x's rows quantized for the integer dot products: K-quants as llama.cpp's Q8_K (per 256 values: the value of
 // largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale), Q5_0 and
-// Q5_1 per 32 values as the Q4_0 kernel does (d = amax / 127, q = rint(x * 127 / amax)); sums per 16 values
+// Q5_1 per 32 values as the Q4_0 kernel does (d = amax / 127, q = rint(x * 127 / amax)); |q| <= 127 always
 struct XQuant {
   std::vector<int8_t> q;
   std::vector<float> d;       // per block of QK
-  std::vector<int32_t> sums;  // per 16 values
+  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values, then zeros
 };
 
-void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int8_t* q, float* d, int32_t* sums) {
+void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int64_t SUB, int8_t* q, float* d, int16_t* sums) {
   alignas(64) float v[256];
-  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += QK / 16) {
+  alignas(64) int32_t sums16[16];
+  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += 16) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < QK; i += 16) {
-      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
+      const __m512 f = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
       _mm512_store_ps(v + i, f);
       amax = _mm512_max_ps(amax, _mm512_abs_ps(f));
     }
@@ -370,7 +372,7 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int8_t* q, float*
     float iscale;
     if (QK == 256) {
       int64_t first = 0;
-      while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first value of largest magnitude
+      while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first such value
       iscale = a ? -127.0f / v[first] : 0.0f;
       d[b] = a ? 1 / iscale : 0.0f;
     } else {
@@ -381,54 +383,105 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int8_t* q, float*
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
       _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
-      sums[i / 16] = _mm512_reduce_add_epi32(qi);
+      sums16[i / 16] = _mm512_reduce_add_epi32(qi);
+    }
+    for (int64_t j = 0; j < 16; j++) {
+      int32_t s = 0;
+      for (int64_t i = j * SUB / 16; i < (j + 1) * SUB / 16 && j < QK / SUB; i++) s += sums16[i];
+      sums[j] = int16_t(s);  // |s| <= 127 * 32
     }
   }
 }
 
-// lane l of chunk c (weights 64c + 4l .. 64c + 4l + 3) belongs to sub-block index[c][l]
+// for each 64-weight chunk c, the index of the sub-block of each pair of weights (2i, 2i + 1): which of the
+// 16-bit scales multiplies that pair's 16-bit product sum
 template <class T>
-inline __m512i sub_block_lanes(int c) {
-  const __m512i l = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  return _mm512_add_epi32(_mm512_set1_epi32(c * 64 / T::SUB), _mm512_srli_epi32(l, T::SUB == 16 ? 2 : 3));
+void pair_sub_blocks(__m512i* index) {
+  alignas(64) int16_t lanes[32];
+  for (int c = 0; c < 4; c++) {
+    for (int i = 0; i < 32; i++) lanes[i] = int16_t((64 * c + 2 * i) / T::SUB);
+    index[c] = _mm512_load_si512(lanes);
+  }
 }
 
-// one weight row's block with one row of quantized x (xq: the block's QK values, xd its scale, xs its sums per
-// 16): d * d_x * sum_j sc_j * (q_j - OFFSET) . x_j - dmin * d_x * sum_j min_j * sum(x_j), the sums over sub-blocks
-// exact in int32, as llama.cpp's vec_dot for the type
+// acc (16 float32 lanes) += one K-quant row's block times one row of quantized x (xq: the block's 256 values, xd
+// its scale, xs its sums per sub-block), as llama.cpp's vec_dot for the type: the sub-block dot products of the
+// unsigned quants (byte pairs summed to 16 bits, times the 16-bit scales, summed to 32), less OFFSET * sc_j *
+// sum(x_j), exact in int32, times d * d_x; less dmin * d_x * sum_j min_j * sum(x_j)
 template <class T>
-inline float dot_block(const Unpacked<T>& u, const int8_t* xq, float xd, const int32_t* xs) {
-  const __m512i scales = _mm512_load_si512(u.sc);
-  __m512i acc = _mm512_setzero_si512();
-  for (int c = 0; c < Unpacked<T>::CHUNKS; c++) {
-    const __m512i x = T::QK == 32 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xq))
-                                  : _mm512_loadu_si512(xq + 64 * c);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.q[c], x);
-    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(sub_block_lanes<T>(c), scales)));
+inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const int8_t* xq, float xd,
+                             const int16_t* xs, __m512 acc) {
+  const __m256i sc = _mm256_load_si256((const __m256i*)u.sc), xsums = _mm256_loadu_si256((const __m256i*)xs);
+  const __m512i scales = _mm512_castsi256_si512(sc);
+  __m512i isum = _mm512_setzero_si512();
+  for (int c = 0; c < 4; c++) {
+    const __m512i pairs = _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c));
+    isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pairs, _mm512_permutexvar_epi16(index[c], scales)));
   }
-  int32_t isum = _mm512_reduce_add_epi32(acc), mins = 0;
-  for (int j = 0; j < T::QK / T::SUB; j++) {
-    const int32_t xsum = T::SUB == 16 ? xs[j] : xs[2 * j] + xs[2 * j + 1];
-    if constexpr (T::OFFSET != 0) isum -= T::OFFSET * u.sc[j] * xsum;
-    if constexpr (T::MINS) mins += u.mn[j] * xsum;
+  if constexpr (T::OFFSET != 0) {
+    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(sc, xsums), _mm256_set1_epi32(T::OFFSET));
+    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(offset));
   }
-  float sum = (xd * u.d) * float(isum);
-  if constexpr (T::MINS) sum -= (xd * u.dmin) * float(mins);
-  return sum;
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(xd * u.d), acc);
+  if constexpr (T::MINS) {
+    const __m256i mins = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)u.mn), xsums);
+    acc = _mm512_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(mins)), _mm512_set1_ps(-(xd * u.dmin)), acc);
+  }
+  return acc;
 }
 
-// rows of x (M, K) times the TILE rows of tile t (its KB records from rec): sums[m * TILE + r]; acc: room for
-// M * TILE * 16 float32 partial sums (the float32 profile)
+// two consecutive 32-weight blocks of one row (the second absent past the row's end), unpacked once
+template <class T>
+struct Pair {
+  __m512i q;
+  float d[2], dmin[2];
+  Pair(const uint8_t* b0, const uint8_t* b1) {
+    __m512i lo, hi = _mm512_setzero_si512();
+    T::unpack(b0, &lo);
+    d[0] = T::d(b0), dmin[0] = T::dmin(b0), d[1] = dmin[1] = 0.0f;
+    if (b1) T::unpack(b1, &hi), d[1] = T::d(b1), dmin[1] = T::dmin(b1);
+    q = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+  }
+};
+
+// acc += the pair's blocks times one row of quantized x (xq: their 64 values, or 32 where `half`; xd, xs: the
+// blocks' scales and sums): lanes 0-7 the first block, 8-15 the second, as dot_superblock with one sub-block each
+template <class T>
+inline __m512 dot_pair(const Pair<T>& p, const int8_t* xq, const float* xd, const int16_t* xs, bool half,
+                       __m512 acc) {
+  const __m512i x = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xq)) : _mm512_loadu_si512(xq);
+  __m512i isum = _mm512_madd_epi16(_mm512_maddubs_epi16(p.q, x), _mm512_set1_epi16(1));
+  const int32_t s0 = xs[0], s1 = half ? 0 : xs[16];
+  if constexpr (T::OFFSET != 0)
+    isum = _mm512_sub_epi32(isum, _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, T::OFFSET * s0), 0x0100,
+                                                         T::OFFSET * s1));
+  const float x1 = half ? 0.0f : xd[1];
+  const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[0] * p.d[0]), _mm512_set1_ps(x1 * p.d[1]));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+  if constexpr (T::MINS) {
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(0x0001, s0), 0x0100, s1));
+    const __m512 mins = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(-(xd[0] * p.dmin[0])),
+                                             _mm512_set1_ps(-(x1 * p.dmin[1])));
+    acc = _mm512_fmadd_ps(sums, mins, acc);
+  }
+  return acc;
+}
+
+// rows of x (M, K) times the TILE rows of one tile (its KB records from rec): sums[m * TILE + r]; acc: room for
+// M * TILE * 16 float32 partial sums. Each row's sums run in one order whatever M is.
 template <class T>
 void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float* sums, float* acc) {
   const int64_t K = x.size(-1), M = x.numel() / K, KB = K / T::QK, R = TILE * T::BYTES;
   const bool f32 = x.scalar_type() == at::kFloat;
   const float* xf = f32 ? static_cast<const float*>(x.data_ptr()) : nullptr;
   alignas(64) float w[T::QK];
-  std::fill(sums, sums + M * TILE, 0.0f);
-  if (f32) std::fill(acc, acc + M * TILE * 16, 0.0f);
-  for (int64_t b = 0; b < KB; b++, rec += R) {
-    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+  __m512i index[4];
+  pair_sub_blocks<T>(index);
+  std::fill(acc, acc + M * TILE * 16, 0.0f);
+  const int64_t step = f32 || T::QK == 256 ? 1 : 2;
+  for (int64_t b = 0; b < KB; b += step, rec += step * R) {
+    for (int64_t line = 0; line < step * R; line += 64)
+      _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     for (int r = 0; r < TILE; r++) {
       const uint8_t* block = rec + r * T::BYTES;
       if (f32) {
@@ -439,16 +492,27 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
           for (int i = 0; i < T::QK; i += 16) a = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), a);
           _mm512_storeu_ps(acc + (m * TILE + r) * 16, a);
         }
-      } else {
+      } else if constexpr (T::QK == 256) {
         const Unpacked<T> u(block);
-        for (int64_t m = 0; m < M; m++)
-          sums[m * TILE + r] += dot_block<T>(u, xq.q.data() + m * K + b * T::QK, xq.d[m * KB + b],
-                                             xq.sums.data() + (m * K + b * T::QK) / 16);
+        for (int64_t m = 0; m < M; m++) {
+          float* a = acc + (m * TILE + r) * 16;
+          const int64_t xb = m * KB + b;
+          _mm512_storeu_ps(a, dot_superblock<T>(u, index, xq.q.data() + xb * 256, xq.d[xb], xq.sums.data() + xb * 16,
+                                                _mm512_loadu_ps(a)));
+        }
+      } else {
+        const bool half = b + 1 == KB;
+        const Pair<T> p(block, half ? nullptr : block + R);
+        for (int64_t m = 0; m < M; m++) {
+          float* a = acc + (m * TILE + r) * 16;
+          const int64_t xb = m * KB + b;
+          _mm512_storeu_ps(a, dot_pair<T>(p, xq.q.data() + xb * 32, xq.d.data() + xb, xq.sums.data() + xb * 16, half,
+                                          _mm512_loadu_ps(a)));
+        }
       }
     }
   }
-  if (f32)
-    for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
+  for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
 }
 
 // ---- the table of types ------------------------------------------------------------------------
@@ -567,13 +631,13 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   auto whole = [&]<class T>() {
     XQuant xq;
     if (!f32) {
-      xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * K / 16);
+      xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
-        quantize_x(xbf + m * K, K, QK, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * K / 16);
+        quantize_x(xbf + m * K, K, QK, T::SUB, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
     }
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
-      std::vector<float> acc(f32 ? M * TILE * 16 : 0);
+      std::vector<float> acc(M * TILE * 16);
       for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * TILE, rows = std::min(TILE, N - n);
         whole_tile<T>(x, xq, wp + t * KB * R, sums.data(), acc.data());
