@@ -212,12 +212,23 @@ inline __m512i fields(const uint8_t* p, int lo, int hi, uint8_t mask) {
   return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(mask));
 }
 
-// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32
-inline void scales_6bit(const uint8_t* s, int16_t* sc, int16_t* mn) {
-  for (int j = 0; j < 4; j++) {
-    sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4), mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// eight bytes (lo, then hi) as the low eight of sixteen 16-bit lanes
+inline __m256i lanes16(uint32_t lo, uint32_t hi) {
+  return _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(lo) | int64_t(hi) << 32)));
+}
+
+// Q4_K and Q5_K's twelve bytes of 6-bit scales (and, mins: the mins) for eight sub-blocks of 32: sub-block j < 4
+// in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high) nibble of byte j + 4 and the top two
+// bits of byte j - 4 (mins: j)
+inline __m256i scales_6bit(const uint8_t* s, bool mins) {
+  const uint32_t a = u32_at(s + (mins ? 4 : 0)), c = u32_at(s + 8) >> (mins ? 4 : 0);
+  return lanes16(a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030));
 }
 
 struct Q5_0 {  // d, 32 high bits, 16 bytes of nibbles: w = d * (q - 16)
@@ -230,7 +241,8 @@ struct Q5_0 {  // d, 32 high bits, 16 bytes of nibbles: w = d * (q - 16)
     std::memcpy(&high, b + 2, 4);
     q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
   }
-  static void scales(const uint8_t*, int16_t* sc, int16_t* mn) { sc[0] = 1, mn[0] = 0; }
+  static __m256i scales(const uint8_t*) { return lanes16(1, 0); }
+  static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -245,7 +257,8 @@ struct Q5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: w = d * q + m
     std::memcpy(&high, b + 4, 4);
     q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
   }
-  static void scales(const uint8_t*, int16_t* sc, int16_t* mn) { sc[0] = 1, mn[0] = 1; }
+  static __m256i scales(const uint8_t*) { return lanes16(1, 0); }
+  static __m256i mins(const uint8_t*) { return lanes16(1, 0); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return -half_at(b + 2); }
 };
@@ -256,8 +269,11 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
-  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
-    for (int j = 0; j < 16; j++) sc[j] = b[j] & 15, mn[j] = b[j] >> 4;
+  static __m256i scales(const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i*)b), _mm_set1_epi8(15)));
+  }
+  static __m256i mins(const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4), _mm_set1_epi8(15)));
   }
   static float d(const uint8_t* b) { return half_at(b + 80); }
   static float dmin(const uint8_t* b) { return half_at(b + 82); }
@@ -272,10 +288,14 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
       q[c] = _mm512_or_si512(low, _mm512_slli_epi16(fields(b, 2 * c, 2 * c + 1, 1), 2));
     }
   }
-  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
-    const uint8_t* s = b + 96;
-    for (int j = 0; j < 16; j++) sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+  static __m256i scales(const uint8_t* b) {  // sub-block j: low 4 bits in nibble j / 8 of byte 96 + j % 8, high 2
+    const uint64_t low8 = uint64_t(u32_at(b + 96)) | uint64_t(u32_at(b + 100)) << 32;  // in bits 2 (j / 4) of
+    const uint32_t h = u32_at(b + 104), m = 0x03030303;                                // byte 104 + j % 4
+    const __m128i low = _mm_and_si128(_mm_set_epi64x(int64_t(low8 >> 4), int64_t(low8)), _mm_set1_epi8(15));
+    const __m128i high = _mm_slli_epi16(_mm_setr_epi32(h & m, (h >> 2) & m, (h >> 4) & m, (h >> 6) & m), 4);
+    return _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(low, high)), _mm256_set1_epi16(32));
   }
+  static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + 108); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -286,7 +306,8 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 64c + 32s + l: nibble s of byte 32c + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * c, 0, 4, 15);
   }
-  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -298,7 +319,8 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
   }
-  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -315,9 +337,8 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
                                      _mm512_slli_epi16(fields(b + 128 + 32 * h, 4, 6, 3), 4));
     }
   }
-  static void scales(const uint8_t* b, int16_t* sc, int16_t* mn) {
-    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
-  }
+  static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
+  static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + 208); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -327,9 +348,11 @@ template <class T>
 struct Unpacked {
   static constexpr int CHUNKS = T::QK / 64 ? T::QK / 64 : 1;
   __m512i q[CHUNKS];
-  alignas(32) int16_t sc[16] = {}, mn[16] = {};
+  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last
   float d, dmin;
-  explicit Unpacked(const uint8_t* b) : d(T::d(b)), dmin(T::dmin(b)) { T::unpack(b, q), T::scales(b, sc, mn); }
+  explicit Unpacked(const uint8_t* b) : sc(T::scales(b)), mn(T::mins(b)), d(T::d(b)), dmin(T::dmin(b)) {
+    T::unpack(b, q);
+  }
 };
 
 // the block's QK weights as float32, each exactly as gguf.quants.dequantize gives it
@@ -337,13 +360,15 @@ template <class T>
 inline void dequant_block(const uint8_t* b, float* out) {
   const Unpacked<T> u(b);
   alignas(64) uint8_t bytes[Unpacked<T>::CHUNKS * 64];
+  alignas(32) int16_t sc[16], mn[16];
   for (int c = 0; c < Unpacked<T>::CHUNKS; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+  _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
   for (int g = 0; g < T::QK / 16; g++) {
     const int j = g * 16 / T::SUB;
     const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * g)));
     const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET)));
-    __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(u.sc[j])), v);
-    if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(u.mn[j])));
+    __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(sc[j])), v);
+    if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(mn[j])));
     _mm512_storeu_ps(out + 16 * g, w);
   }
 }
@@ -411,7 +436,7 @@ void pair_sub_blocks(__m512i* index) {
 template <class T>
 inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const int8_t* xq, float xd,
                              const int16_t* xs, __m512 acc) {
-  const __m256i sc = _mm256_load_si256((const __m256i*)u.sc), xsums = _mm256_loadu_si256((const __m256i*)xs);
+  const __m256i sc = u.sc, xsums = _mm256_loadu_si256((const __m256i*)xs);
   const __m512i scales = _mm512_castsi256_si512(sc);
   __m512i isum = _mm512_setzero_si512();
   for (int c = 0; c < 4; c++) {
@@ -424,7 +449,7 @@ inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const i
   }
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(xd * u.d), acc);
   if constexpr (T::MINS) {
-    const __m256i mins = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)u.mn), xsums);
+    const __m256i mins = _mm256_madd_epi16(u.mn, xsums);
     acc = _mm512_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(mins)), _mm512_set1_ps(-(xd * u.dmin)), acc);
   }
   return acc;
