@@ -1,18 +1,20 @@
-// GGUF's Q8_0, Q4_0 and Q4_1 blocks multiplied as stored (weight_format "gguf"; see formats.py).
+// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1 regrouped by tile,
+// and Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
 //
-// Each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0 d and
-// 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m); a nibble byte j
+// Regrouped types: each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0
+// d and 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m); a nibble byte j
 // holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of TILE rows:
 // record (tile, block) = the TILE scales d, [the TILE offsets m,] the TILE rows' quants, so that each thread
 // reads one sequential stream, as matvec_int8 does. Q8_0's quants are stored as q + 128 (unsigned, as VNNI's
 // first operand must be) and by halves, each 64 bytes holding one half (weights 0..15 or 16..31) of four rows,
-// the shape of four rows' nibble bytes: both types then meet x the same way.
+// the shape of four rows' nibble bytes: both types then meet x the same way. Types kept whole: see below.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
 //            multiply-add), then multiplied with x and summed in float32.
-//   bfloat16: llama.cpp's arithmetic: each 32-block of x quantized to int8 with a float32 scale, the
-//            block dot products summed in int32 (AVX512-VNNI), scaled and summed in float32.
+//   bfloat16: llama.cpp's arithmetic: x quantized to int8 with float32 scales (per 256 values as llama.cpp's
+//            Q8_K for the K-quants, per 32 for the others), the sub-block dot products summed in integers
+//            (AVX512-VNNI), scaled and summed in float32. A row's numbers never depend on the other rows.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
