@@ -12,18 +12,19 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 | int4          | 0.5          | fp32, bf16| torch._weight_int4pack_mm_for_cpu / dequant.| the same                 |
 | gguf          | as the file  | fp32, bf16| kernels.gguf_matvec / F.linear, dequantized | kernels.gguf_matvec      |
 
-gguf keeps a GGUF file's tensors as stored (CPU only): Q8_0, Q4_0 and Q4_1 blocks (8.5, 4.5, 5 bits a weight)
-regrouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly), any other type as the
-float32 values `gguf` dequantizes it to (exact, not fast); the embedding keeps its blocks too (the looked-up
-rows are dequantized) and a tied head multiplies them. A fused projection whose parts differ in type computes
-each part as its type and concatenates. The arithmetic of the blocks, per profile:
-  fp32: each weight dequantized exactly as gguf.quants.dequantize does (d * q, d * (q - 8), d * q + m in float32),
+gguf keeps a GGUF file's tensors as stored (CPU only): the blocks of every type in kernels.GGUF_TYPES (Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q2_K..Q6_K) grouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly);
+any other type is refused at load (gguf.GGUFFile.check_as_stored). The embedding keeps its blocks too (the
+looked-up rows are dequantized) and a tied head multiplies them. A fused projection whose parts differ in type
+computes each part as its type and concatenates. The arithmetic of the blocks, per profile:
+  fp32: each weight dequantized exactly as gguf.quants.dequantize does (e.g. (d * sc) * q - dmin * m in float32),
         multiplied with float32 x and summed in float32; for many rows (prefill) the dequantized float32 matrix
         goes to F.linear.
-  bf16: llama.cpp's arithmetic on a few rows: each 32 columns of x quantized to int8 (q = rint(x * 127 / amax),
-        float32 scale amax / 127), the block's integer dot product summed exactly (AVX512-VNNI), times the two
-        scales, summed in float32. For many rows (a prefill) the weights dequantized and rounded to bfloat16 go
-        to F.linear, a bfloat16 GEMM (oneDNN's, on AMX where the CPU has it: 5x the VNNI kernel on 512 rows).
+  bf16: llama.cpp's arithmetic on a few rows: x quantized to int8 as llama.cpp does for the type's dot product
+        (per 256 columns as its Q8_K for the K-quants, per 32 columns, q = rint(x * 127 / amax) with the float32
+        scale amax / 127, for the others), each block's sub-block integer dot products summed exactly
+        (AVX512-VNNI), times the scales, summed in float32. For many rows (a prefill) the weights dequantized and
+        rounded to bfloat16 go to F.linear, a bfloat16 GEMM (oneDNN's, on AMX where the CPU has it).
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -319,7 +320,7 @@ def head_projection(weight: torch.Tensor, tied: bool) -> nn.Module:
 
 
 class GGUFBlocks(nn.Module):
-    """One GGUF tensor's Q8_0, Q4_0 or Q4_1 blocks as stored, regrouped by tiles of rows (kernels.pack_gguf)."""
+    """One GGUF tensor's blocks as stored (a type of kernels.GGUF_TYPES), grouped by tiles of rows (kernels.pack_gguf)."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, k: int):
         super().__init__()
@@ -353,7 +354,7 @@ class GGUFBlocks(nn.Module):
 
 class GGUFLinear(nn.Module):
     """A projection whose parts (q, k and v; gate and up; the head) stay as their GGUF tensors store them: blocks
-    for Q8_0, Q4_0 and Q4_1; float32 or bfloat16 tensors (exact) for the rest. The parts' outputs are concatenated."""
+    (GGUFBlocks) or float32 and bfloat16 tensors (exact). The parts' outputs are concatenated."""
 
     def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()

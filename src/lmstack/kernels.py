@@ -174,8 +174,8 @@ def int4pack_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, n: i
 class BlockType:
     """A GGUF block type the kernels multiply as stored, one row of kernels_gguf.cpp's TYPES: weights and bytes of
     a block, where its float16 scales lie (d, and dmin or m: each must be finite), and whether pack_gguf regroups
-    its fields by tile (Q8_0, Q4_0, Q4_1, their scales first) or keeps each block whole. The reference
-    dequantization of every type is gguf.quants.dequantize."""
+    its fields by tile (the 32-weight types: scales first, then Q5's fifth bits, then the quants) or keeps each
+    block whole (the K-quants). The reference dequantization of every type is gguf.quants.dequantize."""
 
     name: str
     values: int
@@ -188,15 +188,16 @@ GGUF_TYPES = {  # ggml type id -> its BlockType
     8: BlockType("Q8_0", 32, 34, (0,), regrouped=True),
     2: BlockType("Q4_0", 32, 18, (0,), regrouped=True),
     3: BlockType("Q4_1", 32, 20, (0, 2), regrouped=True),
-    6: BlockType("Q5_0", 32, 22, (0,)),
-    7: BlockType("Q5_1", 32, 24, (0, 2)),
+    6: BlockType("Q5_0", 32, 22, (0,), regrouped=True),
+    7: BlockType("Q5_1", 32, 24, (0, 2), regrouped=True),
     10: BlockType("Q2_K", 256, 84, (80, 82)),
     11: BlockType("Q3_K", 256, 110, (108,)),
     12: BlockType("Q4_K", 256, 144, (0, 2)),
     13: BlockType("Q5_K", 256, 176, (0, 2)),
     14: BlockType("Q6_K", 256, 210, (208,)),
 }
-Q8_0, Q4_0 = 8, 2
+Q8_0 = 8
+FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales
 
 
 def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
@@ -207,11 +208,17 @@ def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
     return halves.reshape(*quants.shape[:-2], -1)
 
 
+def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(.., TILE, 4) bytes of Q5 fifth bits -> (.., 32): for each four rows, their 16 bits of weights 0..15, then
+    their 16 bits of weights 16..31 (kernels_gguf.cpp)."""
+    return bits.reshape(*bits.shape[:-2], TILE // 4, 4, 2, 2).transpose(-3, -2).reshape(*bits.shape[:-2], -1)
+
+
 def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / values, record
     bytes): for each TILE rows and column block, the TILE rows' blocks side by side, or, for a regrouped type, the
-    TILE scales, [the TILE offsets,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders them); padding rows
-    are zeros."""
+    TILE scales, [the TILE offsets,] [their fifth bits,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders
+    them); padding rows are zeros."""
     kind = GGUF_TYPES[qtype]
     n = raw.shape[0]
     blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % TILE))
@@ -220,9 +227,34 @@ def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
         return tiled.reshape(*tiled.shape[:2], -1).contiguous()
     head = 2 * len(kind.float16_at)
     fields = [tiled[..., i:i + 2] for i in range(0, head, 2)]
+    if qtype in FIFTH_BITS:
+        fields.append(_fifth_bits(tiled[..., head:head + 4]))
+        head += 4
     quants = tiled[..., head:]
     fields.append(_q8_0_halves(quants) if qtype == Q8_0 else quants)
     return torch.cat([f.reshape(*tiled.shape[:2], -1) for f in fields], dim=-1).contiguous()
+
+
+def unpack_gguf(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """The (n, K / values * block bytes) rows of blocks pack_gguf was given."""
+    kind = GGUF_TYPES[qtype]
+    tiles, blocks = packed.shape[:2]
+    if kind.regrouped:
+        head = 2 * len(kind.float16_at)
+        scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).transpose(2, 3)
+        parts = [scales.reshape(tiles, blocks, TILE, head)]
+        at = head * TILE
+        if qtype in FIFTH_BITS:
+            bits = packed[..., at:at + 32].reshape(tiles, blocks, TILE // 4, 2, 4, 2).transpose(-3, -2)
+            parts.append(bits.reshape(tiles, blocks, TILE, 4))
+            at += 32
+        quants = packed[..., at:]
+        if qtype == Q8_0:  # back from _q8_0_halves
+            quants = quants.reshape(tiles, blocks, TILE // 4, 2, 4, 16).transpose(-3, -2)
+            quants = (quants.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        parts.append(quants.reshape(tiles, blocks, TILE, -1))
+        packed = torch.cat(parts, dim=-1)
+    return packed.reshape(tiles, blocks, TILE, kind.bytes).transpose(1, 2).reshape(tiles * TILE, -1)[:n]
 
 
 def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None):
@@ -235,27 +267,10 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
 def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32):
     """Rows of pack_gguf's blocks (all n, or `rows`) as float32, bit-equal to gguf.quants.dequantize (or those
-    values rounded to bfloat16)."""
+    values rounded to bfloat16); without the kernels, by gguf.quants.dequantize itself."""
     if available():
         return torch.ops.lmstack.gguf_dequantize(packed, qtype, n, k, rows, dtype)
-    kind = GGUF_TYPES[qtype]
-    tiles, blocks = packed.shape[:2]
-    if not kind.regrouped:
-        raw = packed.reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, -1)[:n]
-        raw = raw if rows is None else raw[rows.reshape(-1)]
-        w = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(qtype)).astype(np.float32))
-        return w.reshape(*(rows.shape if rows is not None else (n,)), k).to(dtype)
-    head = 2 * len(kind.float16_at)
-    scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).permute(2, 0, 3, 1, 4)
-    scales = scales.contiguous().view(torch.float16).float().reshape(head // 2, -1, blocks, 1)  # (d[, m], rows, ..)
-    q = packed[..., head * TILE:]
-    if qtype == Q8_0:  # back from _q8_0_halves
-        q = q.reshape(tiles, blocks, TILE // 4, 2, 4, 16).transpose(-3, -2).to(torch.int16) - 128
-    q = q.reshape(tiles, blocks, TILE, -1).transpose(1, 2).reshape(tiles * TILE, blocks, -1)
-    if qtype == Q8_0:
-        w = q.float() * scales[0]
-    else:
-        q = torch.cat((q & 15, q >> 4), dim=-1)
-        w = scales[0] * (q.to(torch.int8) - 8).float() if qtype == Q4_0 else scales[0] * q.float() + scales[1]
-    w = w.reshape(tiles * TILE, k)[:n]
-    return (w if rows is None else w[rows]).to(dtype)
+    raw = unpack_gguf(packed, qtype, n)
+    raw = raw if rows is None else raw[rows.reshape(-1)]
+    w = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(qtype)).astype(np.float32))
+    return w.reshape(*(rows.shape if rows is not None else (n,)), k).to(dtype)

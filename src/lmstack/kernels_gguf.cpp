@@ -1,18 +1,22 @@
-// GGUF's Q8_0, Q4_0 and Q4_1 blocks multiplied as stored (weight_format "gguf"; see formats.py).
+// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1 regrouped by tile,
+// and Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
 //
-// Each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0 d and
-// 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m); a nibble byte j
+// Regrouped types: each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0
+// d and 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m), Q5_0 and Q5_1
+// as Q4_0 and Q4_1 with a fifth bit of each weight in 32 bits (w = d * (q - 16), d * q + m); a nibble byte j
 // holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of TILE rows:
-// record (tile, block) = the TILE scales d, [the TILE offsets m,] the TILE rows' quants, so that each thread
-// reads one sequential stream, as matvec_int8 does. Q8_0's quants are stored as q + 128 (unsigned, as VNNI's
-// first operand must be) and by halves, each 64 bytes holding one half (weights 0..15 or 16..31) of four rows,
-// the shape of four rows' nibble bytes: both types then meet x the same way.
+// record (tile, block) = the TILE scales d, [the TILE offsets m,] [the fifth bits: for each four rows, their bits
+// of weights 0..15, then of 16..31, 16 bits a row,] the TILE rows' quants, so that each thread reads one
+// sequential stream, as matvec_int8 does. Q8_0's quants are stored as q + 128 (unsigned, as VNNI's first operand
+// must be) and by halves, each 64 bytes holding one half (weights 0..15 or 16..31) of four rows, the shape of four
+// rows' nibble bytes: all these types then meet x the same way. Types kept whole: see below.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
 //            multiply-add), then multiplied with x and summed in float32.
-//   bfloat16: llama.cpp's arithmetic: each 32-block of x quantized to int8 with a float32 scale, the
-//            block dot products summed in int32 (AVX512-VNNI), scaled and summed in float32.
+//   bfloat16: llama.cpp's arithmetic: x quantized to int8 with float32 scales (per 256 values as llama.cpp's
+//            Q8_K for the K-quants, per 32 for the others), the sub-block dot products summed in integers
+//            (AVX512-VNNI), scaled and summed in float32. A row's numbers never depend on the other rows.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -34,13 +38,16 @@ using lmstack::TILE;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
 constexpr int64_t MAX_ROWS = 4;  // rows of x that share each unpacked block of weights
 
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml's type ids
 
-// bytes of one (tile, block) record, and where its quants start
-constexpr int64_t record_bytes(int64_t type) {
-  return type == Q8_0 ? 16 + TILE * 32 : type == Q4_1 ? 32 + TILE * 16 : 16 + TILE * 16;
-}
-constexpr int64_t quants_at(int64_t type) { return type == Q4_1 ? 32 : 16; }
+constexpr bool has_offset(int64_t type) { return type == Q4_1 || type == Q5_1; }  // w = d * q + m
+constexpr bool has_high_bits(int64_t type) { return type == Q5_0 || type == Q5_1; }
+constexpr int zero_point(int64_t type) { return type == Q8_0 ? 128 : type == Q5_0 ? 16 : 8; }  // w = d * (q - z)
+
+// where a (tile, block) record's high bits (Q5_0, Q5_1) and quants start, and its bytes
+constexpr int64_t high_at(int64_t type) { return has_offset(type) ? 32 : 16; }
+constexpr int64_t quants_at(int64_t type) { return high_at(type) + (has_high_bits(type) ? 32 : 0); }
+constexpr int64_t record_bytes(int64_t type) { return quants_at(type) + TILE * (type == Q8_0 ? 32 : 16); }
 
 // the 16 bytes of row r's quants in a record that hold weights 0..15 (half 0) or 16..31 (half 1): for Q4_0 and
 // Q4_1 the row's nibble bytes (both halves), for Q8_0 the half's bytes
@@ -50,14 +57,26 @@ inline const uint8_t* row_quants(const uint8_t* rec, int64_t r, int half) {
   return rec + quants_at(T) + r * 16;
 }
 
+// Q5_0 and Q5_1's fifth bits of weights 0..15 (half 0) or 16..31 (half 1): of row r, or of rows 4j..4j+3 (each 16)
+inline uint16_t row_high(const uint8_t* rec, int64_t type, int64_t r, int half) {
+  uint16_t bits;
+  std::memcpy(&bits, rec + high_at(type) + (r / 4) * 16 + half * 8 + (r % 4) * 2, 2);
+  return bits;
+}
+inline __mmask64 quad_high(const uint8_t* rec, int64_t type, int j, int half) {
+  uint64_t bits;
+  std::memcpy(&bits, rec + high_at(type) + j * 16 + half * 8, 8);
+  return _cvtu64_mask64(bits);
+}
+
 inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 // ---- float32 activations: weights dequantized exactly --------------------------------------------
 
-// the 16 weights of one row's block, half 0 (weights 0..15) or 1 (16..31), at quants q = row_quants(.., half),
-// as float32
+// the 16 weights of one row's block, half 0 (weights 0..15) or 1 (16..31), at quants q = row_quants(.., half)
+// with fifth bits `high` (Q5_0, Q5_1), as float32
 template <int64_t T>
-inline __m512 dequant16(const uint8_t* q, int half, __m512 d, __m512 m) {
+inline __m512 dequant16(const uint8_t* q, int half, uint16_t high, __m512 d, __m512 m) {
   if constexpr (T == Q8_0) {
     const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), d);
@@ -65,8 +84,9 @@ inline __m512 dequant16(const uint8_t* q, int half, __m512 d, __m512 m) {
     __m128i v = _mm_loadu_si128((const __m128i*)q);
     if (half) v = _mm_srli_epi16(v, 4);
     __m512i n = _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F)));
-    if constexpr (T == Q4_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8))));
-    return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(n)), m);
+    if constexpr (has_high_bits(T)) n = _mm512_or_si512(n, _mm512_maskz_set1_epi32(high, 16));
+    if constexpr (has_offset(T)) return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(n)), m);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(zero_point(T)))));
   }
 }
 
@@ -79,7 +99,7 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     const __m512 d = _mm512_castps256_ps512(halves(rec));
-    const __m512 m = T == Q4_1 ? _mm512_castps256_ps512(halves(rec + 16)) : _mm512_setzero_ps();
+    const __m512 m = has_offset(T) ? _mm512_castps256_ps512(halves(rec + 16)) : _mm512_setzero_ps();
     const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < TILE; r++) {
@@ -87,17 +107,28 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
       const __m512i lane = _mm512_set1_epi32(r);
       const __m512 dr = _mm512_permutexvar_ps(lane, d), mr = _mm512_permutexvar_ps(lane, m);
       if constexpr (T == Q8_0) {
-        even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, dr, mr), x0, even[r]);
-        odd[r] = _mm512_fmadd_ps(dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr), x1, odd[r]);
-      } else {  // the row's 16 possible weights, each computed as dequant16 computes it, looked up by nibble
+        even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, 0, dr, mr), x0, even[r]);
+        odd[r] = _mm512_fmadd_ps(dequant16<T>(row_quants<T>(rec, r, 1), 1, 0, dr, mr), x1, odd[r]);
+      } else {  // the row's 16 (32) possible weights, each computed as dequant16 computes it, looked up by value
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512 table = T == Q4_0 ? _mm512_mul_ps(dr, _mm512_sub_ps(iota, _mm512_set1_ps(8)))
-                                       : _mm512_add_ps(_mm512_mul_ps(dr, iota), mr);
+        auto weights = [&](__m512 q) {
+          return has_offset(T) ? _mm512_add_ps(_mm512_mul_ps(dr, q), mr)
+                               : _mm512_mul_ps(dr, _mm512_sub_ps(q, _mm512_set1_ps(zero_point(T))));
+        };
+        const __m512 table = weights(iota);
         const __m128i v = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0F);
-        const __m512i n0 = _mm512_cvtepu8_epi32(_mm_and_si128(v, low));
-        const __m512i n1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low));
-        even[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n0, table), x0, even[r]);
-        odd[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n1, table), x1, odd[r]);
+        __m512i n0 = _mm512_cvtepu8_epi32(_mm_and_si128(v, low));
+        __m512i n1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        if constexpr (has_high_bits(T)) {
+          const __m512 upper = weights(_mm512_add_ps(iota, _mm512_set1_ps(16)));
+          n0 = _mm512_or_si512(n0, _mm512_maskz_set1_epi32(row_high(rec, T, r, 0), 16));
+          n1 = _mm512_or_si512(n1, _mm512_maskz_set1_epi32(row_high(rec, T, r, 1), 16));
+          even[r] = _mm512_fmadd_ps(_mm512_permutex2var_ps(table, n0, upper), x0, even[r]);
+          odd[r] = _mm512_fmadd_ps(_mm512_permutex2var_ps(table, n1, upper), x1, odd[r]);
+        } else {
+          even[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n0, table), x0, even[r]);
+          odd[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n1, table), x1, odd[r]);
+        }
       }
     }
   }
@@ -140,14 +171,14 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
   // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); each row's weights 0..15 (low nibbles,
   // Q8_0's first halves) meet x[0..15], weights 16..31 (high nibbles, second halves) x[16..31]
   __m512 acc[MR][2];
-  __m256 offsets[MR];  // Q4_1: sum over blocks of m * d_x * sum(x_q)
+  __m256 offsets[MR];  // Q4_1, Q5_1: sum over blocks of m * d_x * sum(x_q)
   for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), offsets[i] = _mm256_setzero_ps();
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                            _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-    const __m256 d = halves(rec), m = T == Q4_1 ? halves(rec + 16) : _mm256_setzero_ps();
+    const __m256 d = halves(rec), m = has_offset(T) ? halves(rec + 16) : _mm256_setzero_ps();
     __m512i lo[2], hi[2];
     for (int j = 0; j < 2; j++) {
       if constexpr (T == Q8_0) {
@@ -155,6 +186,10 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
       } else {
         const __m512i v = _mm512_loadu_si512(rec + QA + j * 64);
         lo[j] = _mm512_and_si512(v, nib), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if constexpr (has_high_bits(T)) {
+          lo[j] = _mm512_mask_add_epi8(lo[j], quad_high(rec, T, j, 0), lo[j], _mm512_set1_epi8(16));
+          hi[j] = _mm512_mask_add_epi8(hi[j], quad_high(rec, T, j, 1), hi[j], _mm512_set1_epi8(16));
+        }
       }
     }
     for (int i = 0; i < MR; i++) {
@@ -162,11 +197,11 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
       const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));
       const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));
       const int32_t sum = xs[i * KB + b];
-      const __m512i corr = T == Q4_1 ? _mm512_setzero_si512()  // the offset m is summed apart
-                                     : _mm512_maskz_set1_epi32(0x1111, (T == Q8_0 ? -128 : -8) * sum);
+      const __m512i corr = has_offset(T) ? _mm512_setzero_si512()  // the offset m is summed apart
+                                         : _mm512_maskz_set1_epi32(0x1111, -zero_point(T) * sum);
       const __m256 xdb = _mm256_set1_ps(xd[i * KB + b]);
       const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, xdb));
-      if constexpr (T == Q4_1)
+      if constexpr (has_offset(T))
         offsets[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(xdb, _mm256_set1_ps(float(sum))), offsets[i]);
       for (int j = 0; j < 2; j++) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo[j], xlo), hi[j], xhi);
@@ -188,14 +223,13 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
   }
 }
 
-// ---- blocks kept whole: Q5_0, Q5_1 and the K-quants ------------------------------------------------
+// ---- blocks kept whole: the K-quants ---------------------------------------------------------------
 //
 // pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block side by
 // side: record (tile, block) = TILE whole blocks. Each type below says where its fields lie; both profiles go
 // through the same three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
 // value = byte - OFFSET), its integer sub-block scales and mins (`scales`), its float16 d and dmin. A weight is
-// (d * scale) * (byte - OFFSET) - dmin * min in float32, as gguf.quants.dequantize computes it (Q5_1's offset m
-// is dmin = -m with min 1: x - (-m) is x + m exactly).
+// (d * scale) * (byte - OFFSET) - dmin * min in float32, as gguf.quants.dequantize computes it.
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -212,43 +246,24 @@ inline __m512i fields(const uint8_t* p, int lo, int hi, uint8_t mask) {
   return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(mask));
 }
 
-// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32
-inline void scales_6bit(const uint8_t* s, int32_t* sc, int32_t* mn) {
-  for (int j = 0; j < 4; j++) {
-    sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4), mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-struct Q5_0 {  // d, 32 high bits, 16 bytes of nibbles: w = d * (q - 16)
-  static constexpr int64_t ID = 6, QK = 32, BYTES = 22, SUB = 32, OFFSET = 16;
-  static constexpr bool MINS = false;
-  static void unpack(const uint8_t* b, __m512i* q) {
-    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 6)), low = _mm_set1_epi8(15);
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-    uint32_t high;
-    std::memcpy(&high, b + 2, 4);
-    q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
-  }
-  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 0; }
-  static float d(const uint8_t* b) { return half_at(b); }
-  static float dmin(const uint8_t*) { return 0.0f; }
-};
+// eight bytes (lo, then hi) as the low eight of sixteen 16-bit lanes
+inline __m256i lanes16(uint32_t lo, uint32_t hi) {
+  return _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(lo) | int64_t(hi) << 32)));
+}
 
-struct Q5_1 {  // d, m, 32 high bits, 16 bytes of nibbles: w = d * q + m
-  static constexpr int64_t ID = 7, QK = 32, BYTES = 24, SUB = 32, OFFSET = 0;
-  static constexpr bool MINS = true;
-  static void unpack(const uint8_t* b, __m512i* q) {
-    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 8)), low = _mm_set1_epi8(15);
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-    uint32_t high;
-    std::memcpy(&high, b + 4, 4);
-    q[0] = _mm512_zextsi256_si512(_mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(high, 16)));
-  }
-  static void scales(const uint8_t*, int32_t* sc, int32_t* mn) { sc[0] = 1, mn[0] = 1; }
-  static float d(const uint8_t* b) { return half_at(b); }
-  static float dmin(const uint8_t* b) { return -half_at(b + 2); }
-};
+// Q4_K and Q5_K's twelve bytes of 6-bit scales (and, mins: the mins) for eight sub-blocks of 32: sub-block j < 4
+// in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high) nibble of byte j + 4 and the top two
+// bits of byte j - 4 (mins: j)
+inline __m256i scales_6bit(const uint8_t* s, bool mins) {
+  const uint32_t a = u32_at(s + (mins ? 4 : 0)), c = u32_at(s + 8) >> (mins ? 4 : 0);
+  return lanes16(a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030));
+}
 
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
   static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0;
@@ -256,8 +271,11 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
-    for (int j = 0; j < 16; j++) sc[j] = b[j] & 15, mn[j] = b[j] >> 4;
+  static __m256i scales(const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i*)b), _mm_set1_epi8(15)));
+  }
+  static __m256i mins(const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4), _mm_set1_epi8(15)));
   }
   static float d(const uint8_t* b) { return half_at(b + 80); }
   static float dmin(const uint8_t* b) { return half_at(b + 82); }
@@ -272,10 +290,14 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
       q[c] = _mm512_or_si512(low, _mm512_slli_epi16(fields(b, 2 * c, 2 * c + 1, 1), 2));
     }
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
-    const uint8_t* s = b + 96;
-    for (int j = 0; j < 16; j++) sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+  static __m256i scales(const uint8_t* b) {  // sub-block j: low 4 bits in nibble j / 8 of byte 96 + j % 8, high 2
+    const uint64_t low8 = uint64_t(u32_at(b + 96)) | uint64_t(u32_at(b + 100)) << 32;  // in bits 2 (j / 4) of
+    const uint32_t h = u32_at(b + 104), m = 0x03030303;                                // byte 104 + j % 4
+    const __m128i low = _mm_and_si128(_mm_set_epi64x(int64_t(low8 >> 4), int64_t(low8)), _mm_set1_epi8(15));
+    const __m128i high = _mm_slli_epi16(_mm_setr_epi32(h & m, (h >> 2) & m, (h >> 4) & m, (h >> 6) & m), 4);
+    return _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(low, high)), _mm256_set1_epi16(32));
   }
+  static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + 108); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -286,7 +308,8 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 64c + 32s + l: nibble s of byte 32c + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * c, 0, 4, 15);
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -298,7 +321,8 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) { scales_6bit(b + 4, sc, mn); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -315,9 +339,8 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
                                      _mm512_slli_epi16(fields(b + 128 + 32 * h, 4, 6, 3), 4));
     }
   }
-  static void scales(const uint8_t* b, int32_t* sc, int32_t* mn) {
-    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
-  }
+  static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
+  static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + 208); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
@@ -325,108 +348,119 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
 // one row's block, unpacked once for every row of x it meets
 template <class T>
 struct Unpacked {
-  static constexpr int CHUNKS = T::QK / 64 ? T::QK / 64 : 1;
-  __m512i q[CHUNKS];
-  alignas(64) int32_t sc[16] = {}, mn[16] = {};
+  __m512i q[4];  // 64 weights each
+  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last
   float d, dmin;
-  explicit Unpacked(const uint8_t* b) : d(T::d(b)), dmin(T::dmin(b)) { T::unpack(b, q), T::scales(b, sc, mn); }
+  explicit Unpacked(const uint8_t* b) : sc(T::scales(b)), mn(T::mins(b)), d(T::d(b)), dmin(T::dmin(b)) {
+    T::unpack(b, q);
+  }
 };
 
 // the block's QK weights as float32, each exactly as gguf.quants.dequantize gives it
 template <class T>
 inline void dequant_block(const uint8_t* b, float* out) {
   const Unpacked<T> u(b);
-  alignas(64) uint8_t bytes[Unpacked<T>::CHUNKS * 64];
-  for (int c = 0; c < Unpacked<T>::CHUNKS; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+  alignas(64) uint8_t bytes[256];
+  alignas(32) int16_t sc[16], mn[16];
+  for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+  _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
   for (int g = 0; g < T::QK / 16; g++) {
     const int j = g * 16 / T::SUB;
     const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * g)));
     const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET)));
-    __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(u.sc[j])), v);
-    if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(u.mn[j])));
+    __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(sc[j])), v);
+    if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(mn[j])));
     _mm512_storeu_ps(out + 16 * g, w);
   }
 }
 
-// x's rows quantized for the integer dot products: K-quants as llama.cpp's Q8_K (per 256 values: the value of
-// largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale), Q5_0 and
-// Q5_1 per 32 values as the Q4_0 kernel does (d = amax / 127, q = rint(x * 127 / amax)); sums per 16 values
+// x's rows quantized for the K-quants' integer dot products as llama.cpp's Q8_K: per 256 values, the value of
+// largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale; |q| <= 127
 struct XQuant {
   std::vector<int8_t> q;
-  std::vector<float> d;       // per block of QK
-  std::vector<int32_t> sums;  // per 16 values
+  std::vector<float> d;       // per block of 256
+  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values, then zeros
 };
 
-void quantize_x(const c10::BFloat16* x, int64_t K, int64_t QK, int8_t* q, float* d, int32_t* sums) {
+void quantize_x(const c10::BFloat16* x, int64_t K, int64_t SUB, int8_t* q, float* d, int16_t* sums) {
+  constexpr int64_t QK = 256;
   alignas(64) float v[256];
-  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += QK / 16) {
+  alignas(64) int32_t sums16[16];
+  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += 16) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < QK; i += 16) {
-      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
+      const __m512 f = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
       _mm512_store_ps(v + i, f);
       amax = _mm512_max_ps(amax, _mm512_abs_ps(f));
     }
     const float a = _mm512_reduce_max_ps(amax);
-    float iscale;
-    if (QK == 256) {
-      int64_t first = 0;
-      while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first value of largest magnitude
-      iscale = a ? -127.0f / v[first] : 0.0f;
-      d[b] = a ? 1 / iscale : 0.0f;
-    } else {
-      d[b] = a / 127.0f;
-      iscale = a ? 127.0f / a : 0.0f;
-    }
+    int64_t first = 0;
+    while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first such value
+    const float iscale = a ? -127.0f / v[first] : 0.0f;
+    d[b] = a ? 1 / iscale : 0.0f;
     for (int64_t i = 0; i < QK; i += 16) {
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
       _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
-      sums[i / 16] = _mm512_reduce_add_epi32(qi);
+      sums16[i / 16] = _mm512_reduce_add_epi32(qi);
+    }
+    for (int64_t j = 0; j < 16; j++) {
+      int32_t s = 0;
+      for (int64_t i = j * SUB / 16; i < (j + 1) * SUB / 16 && j < QK / SUB; i++) s += sums16[i];
+      sums[j] = int16_t(s);  // |s| <= 127 * 32
     }
   }
 }
 
-// lane l of chunk c (weights 64c + 4l .. 64c + 4l + 3) belongs to sub-block index[c][l]
+// for each 64-weight chunk c, the index of the sub-block of each pair of weights (2i, 2i + 1): which of the
+// 16-bit scales multiplies that pair's 16-bit product sum
 template <class T>
-inline __m512i sub_block_lanes(int c) {
-  const __m512i l = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  return _mm512_add_epi32(_mm512_set1_epi32(c * 64 / T::SUB), _mm512_srli_epi32(l, T::SUB == 16 ? 2 : 3));
+void pair_sub_blocks(__m512i* index) {
+  alignas(64) int16_t lanes[32];
+  for (int c = 0; c < 4; c++) {
+    for (int i = 0; i < 32; i++) lanes[i] = int16_t((64 * c + 2 * i) / T::SUB);
+    index[c] = _mm512_load_si512(lanes);
+  }
 }
 
-// one weight row's block with one row of quantized x (xq: the block's QK values, xd its scale, xs its sums per
-// 16): d * d_x * sum_j sc_j * (q_j - OFFSET) . x_j - dmin * d_x * sum_j min_j * sum(x_j), the sums over sub-blocks
-// exact in int32, as llama.cpp's vec_dot for the type
+// acc (16 float32 lanes) += one K-quant row's block times one row of quantized x (xq: the block's 256 values, xd
+// its scale, xs its sums per sub-block), as llama.cpp's vec_dot for the type: the sub-block dot products of the
+// unsigned quants (byte pairs summed to 16 bits, times the 16-bit scales, summed to 32), less OFFSET * sc_j *
+// sum(x_j), exact in int32, times d * d_x; less dmin * d_x * sum_j min_j * sum(x_j)
 template <class T>
-inline float dot_block(const Unpacked<T>& u, const int8_t* xq, float xd, const int32_t* xs) {
-  const __m512i scales = _mm512_load_si512(u.sc);
-  __m512i acc = _mm512_setzero_si512();
-  for (int c = 0; c < Unpacked<T>::CHUNKS; c++) {
-    const __m512i x = T::QK == 32 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xq))
-                                  : _mm512_loadu_si512(xq + 64 * c);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.q[c], x);
-    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(sub_block_lanes<T>(c), scales)));
+inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const int8_t* xq, float xd,
+                             const int16_t* xs, __m512 acc) {
+  const __m256i sc = u.sc, xsums = _mm256_loadu_si256((const __m256i*)xs);
+  const __m512i scales = _mm512_castsi256_si512(sc);
+  __m512i isum = _mm512_setzero_si512();
+  for (int c = 0; c < 4; c++) {
+    const __m512i pairs = _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c));
+    isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pairs, _mm512_permutexvar_epi16(index[c], scales)));
   }
-  int32_t isum = _mm512_reduce_add_epi32(acc), mins = 0;
-  for (int j = 0; j < T::QK / T::SUB; j++) {
-    const int32_t xsum = T::SUB == 16 ? xs[j] : xs[2 * j] + xs[2 * j + 1];
-    if constexpr (T::OFFSET != 0) isum -= T::OFFSET * u.sc[j] * xsum;
-    if constexpr (T::MINS) mins += u.mn[j] * xsum;
+  if constexpr (T::OFFSET != 0) {
+    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(sc, xsums), _mm256_set1_epi32(T::OFFSET));
+    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(offset));
   }
-  float sum = (xd * u.d) * float(isum);
-  if constexpr (T::MINS) sum -= (xd * u.dmin) * float(mins);
-  return sum;
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(xd * u.d), acc);
+  if constexpr (T::MINS) {
+    const __m256i mins = _mm256_madd_epi16(u.mn, xsums);
+    acc = _mm512_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(mins)), _mm512_set1_ps(-(xd * u.dmin)), acc);
+  }
+  return acc;
 }
 
-// rows of x (M, K) times the TILE rows of tile t (its KB records from rec): sums[m * TILE + r]; acc: room for
-// M * TILE * 16 float32 partial sums (the float32 profile)
+// rows of x (M, K) times the TILE rows of one tile (its KB records from rec): sums[m * TILE + r]; acc: room for
+// M * TILE * 16 float32 partial sums. Each row's sums run in one order whatever M is.
 template <class T>
 void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float* sums, float* acc) {
   const int64_t K = x.size(-1), M = x.numel() / K, KB = K / T::QK, R = TILE * T::BYTES;
   const bool f32 = x.scalar_type() == at::kFloat;
   const float* xf = f32 ? static_cast<const float*>(x.data_ptr()) : nullptr;
   alignas(64) float w[T::QK];
-  std::fill(sums, sums + M * TILE, 0.0f);
-  if (f32) std::fill(acc, acc + M * TILE * 16, 0.0f);
+  __m512i index[4];
+  pair_sub_blocks<T>(index);
+  std::fill(acc, acc + M * TILE * 16, 0.0f);
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     for (int r = 0; r < TILE; r++) {
@@ -441,14 +475,16 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
         }
       } else {
         const Unpacked<T> u(block);
-        for (int64_t m = 0; m < M; m++)
-          sums[m * TILE + r] += dot_block<T>(u, xq.q.data() + m * K + b * T::QK, xq.d[m * KB + b],
-                                             xq.sums.data() + (m * K + b * T::QK) / 16);
+        for (int64_t m = 0; m < M; m++) {
+          float* a = acc + (m * TILE + r) * 16;
+          const int64_t xb = m * KB + b;
+          _mm512_storeu_ps(a, dot_superblock<T>(u, index, xq.q.data() + xb * 256, xq.d[xb], xq.sums.data() + xb * 16,
+                                                _mm512_loadu_ps(a)));
+        }
       }
     }
   }
-  if (f32)
-    for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
+  for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
 }
 
 // ---- the table of types ------------------------------------------------------------------------
@@ -462,8 +498,9 @@ template <class T>
 constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE * T::BYTES}; }
 constexpr TypeInfo TYPES[] = {
     {Q8_0, "Q8_0", 32, record_bytes(Q8_0)}, {Q4_0, "Q4_0", 32, record_bytes(Q4_0)},
-    {Q4_1, "Q4_1", 32, record_bytes(Q4_1)}, kept_whole<Q5_0>("Q5_0"), kept_whole<Q5_1>("Q5_1"), kept_whole<Q2_K>("Q2_K"),
-    kept_whole<Q3_K>("Q3_K"), kept_whole<Q4_K>("Q4_K"), kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
+    {Q4_1, "Q4_1", 32, record_bytes(Q4_1)}, {Q5_0, "Q5_0", 32, record_bytes(Q5_0)},
+    {Q5_1, "Q5_1", 32, record_bytes(Q5_1)}, kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"),
+    kept_whole<Q4_K>("Q4_K"), kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
   for (const TypeInfo& t : TYPES)
@@ -471,15 +508,16 @@ const TypeInfo& type_info(int64_t type) {
   TORCH_CHECK(false, "gguf kernels: ggml type ", type, " has no kernel");
 }
 
-// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0 and Q4_1, whole.operator()<struct> for the rest
+// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, whole.operator()<struct> for
+// the K-quants
 template <typename Regrouped, typename Whole>
 void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole) {
   switch (type) {
     case Q8_0: return regrouped.template operator()<Q8_0>();
     case Q4_0: return regrouped.template operator()<Q4_0>();
     case Q4_1: return regrouped.template operator()<Q4_1>();
-    case Q5_0::ID: return whole.template operator()<Q5_0>();
-    case Q5_1::ID: return whole.template operator()<Q5_1>();
+    case Q5_0: return regrouped.template operator()<Q5_0>();
+    case Q5_1: return regrouped.template operator()<Q5_1>();
     case Q2_K::ID: return whole.template operator()<Q2_K>();
     case Q3_K::ID: return whole.template operator()<Q3_K>();
     case Q4_K::ID: return whole.template operator()<Q4_K>();
@@ -567,13 +605,13 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   auto whole = [&]<class T>() {
     XQuant xq;
     if (!f32) {
-      xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * K / 16);
+      xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
-        quantize_x(xbf + m * K, K, QK, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * K / 16);
+        quantize_x(xbf + m * K, K, T::SUB, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
     }
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
-      std::vector<float> acc(f32 ? M * TILE * 16 : 0);
+      std::vector<float> acc(M * TILE * 16);
       for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * TILE, rows = std::min(TILE, N - n);
         whole_tile<T>(x, xq, wp + t * KB * R, sums.data(), acc.data());
@@ -618,10 +656,13 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
         for (int64_t b = 0; b < KB; b++, rec += R) {
           alignas(32) float d[TILE], m[TILE] = {};
           _mm256_store_ps(d, halves(rec));
-          if constexpr (T == Q4_1) _mm256_store_ps(m, halves(rec + 16));
+          if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
           const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-          lmstack::store16(op, bf16, i * K + b * 32, dequant16<T>(row_quants<T>(rec, r, 0), 0, dr, mr));
-          lmstack::store16(op, bf16, i * K + b * 32 + 16, dequant16<T>(row_quants<T>(rec, r, 1), 1, dr, mr));
+          for (int half = 0; half < 2; half++) {
+            const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
+            lmstack::store16(op, bf16, i * K + b * 32 + 16 * half,
+                             dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
+          }
         }
       }
     });
