@@ -92,6 +92,35 @@ def test_info_lists_unused_tensors(tiny_checkpoint, tmp_path):
     assert "unused   extra.weight" in out and "safetensors" in out
 
 
+def test_info_shows_each_gguf_tensor_type_with_its_bytes_and_the_cost_of_dequantizing(tiny_checkpoint, tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    _, reference = tiny_checkpoint("llama")
+    types = {name: Q.Q5_0 if "proj" in name else Q.Q8_0 for name, t in reference.state_dict().items() if t.dim() == 2}
+    write_gguf(tmp_path / "m.gguf", reference, tensor_types=types)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")  # the oracle: gguf's own reading of each tensor's size
+    by_type, counts = {}, {}
+    for t in reader.tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    code, out, err = lmstack("info", str(tmp_path / "m.gguf"), "--weight-format", "float32")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for name, n in by_type.items():
+        assert f"{name} x{counts[name]} {n / 1024:.1f} KiB" in text, (name, text)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    stored = sum(by_type.values())
+    assert (f"loaded as float32: {params * 4 / 1024:.1f} KiB, every tensor dequantized: {params * 4 / stored:.1f}x "
+            f"the {stored / 1024:.1f} KiB stored") in text, text
+    from lmstack.gguf import BLOCK_TYPES
+
+    code, out, err = lmstack("info", str(tmp_path / "m.gguf"), "--weight-format", "gguf")
+    as_stored = {Q.F32, *BLOCK_TYPES}  # weight_format gguf keeps these as stored and widens others to float32
+    loaded = sum(int(t.n_bytes) if t.tensor_type in as_stored else 4 * int(t.n_elements) for t in reader.tensors)
+    assert code == 0 and f"loaded as gguf: {loaded / 1024:.1f} KiB" in " ".join(out.split()), out
+
+
 @pytest.mark.parametrize("args,message", [
     (("generate", "hi", "--model", "/no/such/model"), "/no/such/model: no such checkpoint directory or file"),
     (("generate", "hi", "--temperature", "-1"), "temperature must be a number >= 0"),

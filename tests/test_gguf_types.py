@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from quantize import FALLBACK
 from test_gguf import write_gguf
 
-from lmstack import CausalLM
+from lmstack import CausalLM, model
+from lmstack import gguf as gguf_module
 
 TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 
@@ -48,28 +49,47 @@ CASES = {qtype.name: (False, lambda name, qtype=qtype: qtype) for qtype in TYPES
 CASES["Q4_K_M"] = (True, q4_k_m)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_and_greedy_tokens_equal_transformers_gguf_loader(case, tmp_path):
+def load_both(case: str, path, weight_format: str = "gguf"):
+    """The case's GGUF written to path/m.gguf; (transformers' model of it, lmstack's, the tensor types)."""
     tied, choose = CASES[case]
     model = tiny_llama(tied)
     types = tensor_types(model, choose)
-    write_gguf(tmp_path / "m.gguf", model, tensor_types=types)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf",
-                                                                  dtype=torch.float32).eval()
-    lm = CausalLM.load(tmp_path / "m.gguf", weight_format="gguf", numeric_profile="fp32", device="cpu")
+    write_gguf(path / "m.gguf", model, tensor_types=types)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, gguf_file="m.gguf", dtype=torch.float32)
+    lm = CausalLM.load(path / "m.gguf", weight_format=weight_format, numeric_profile="fp32", device="cpu")
+    return reference.eval(), lm, types
 
-    expected_weights = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+def assert_same_weights_and_logits(reference, lm, types):
+    tied = reference.config.tie_word_embeddings
+    expected = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
     weights = lm.parameters()
-    assert set(weights) == set(expected_weights)
+    assert set(weights) == set(expected)
     for name, weight in weights.items():  # dequantized bit for bit, q/k rows in Hugging Face's order
-        assert np.array_equal(weight.detach().numpy().view(np.uint32),
-                              expected_weights[name].numpy().view(np.uint32)), (name, types.get(name))
-
+        assert np.array_equal(weight.detach().numpy().view(np.uint32), expected[name].numpy().view(np.uint32)), \
+            (name, types.get(name))
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = reference(ids).logits
-    torch.testing.assert_close(lm.forward(ids), expected, rtol=1e-4, atol=1e-4)
+        logits = reference(ids).logits
+    torch.testing.assert_close(lm.forward(ids), logits, rtol=1e-4, atol=1e-4)
+    return ids
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_greedy_tokens_equal_transformers_gguf_loader(case, tmp_path):
+    reference, lm, types = load_both(case, tmp_path)
+    ids = assert_same_weights_and_logits(reference, lm, types)
     reference.generation_config.eos_token_id = None  # all 16 tokens
     expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                   pad_token_id=0)
     assert torch.equal(lm.generate(ids, 16), expected)
+
+
+@pytest.mark.parametrize("case,weight_format", [("Q8_0", "gguf"), ("Q4_K_M", "gguf"), ("Q4_K_M", "float32")])
+def test_tensors_read_a_few_rows_at_a_time_are_the_same(case, weight_format, tmp_path, monkeypatch):
+    """Loading reads and packs (or dequantizes) a tensor a chunk of rows at a time, so that no second copy of a
+    whole tensor is held: chunks small enough to cut q from k, and gate from up, give the same weights."""
+    monkeypatch.setattr(model, "PACK_CHUNK_BYTES", 24 * 272)  # 24 rows of 256 Q8_0 values, 40 of Q4_K
+    monkeypatch.setattr(gguf_module, "CHUNK_BYTES", 4096)  # 4 rows of 256 float32 values
+    reference, lm, types = load_both(case, tmp_path, weight_format)
+    assert_same_weights_and_logits(reference, lm, types)

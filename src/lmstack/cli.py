@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import kernels, models
-from .model import CausalLM
+from .model import CausalLM, _gguf_bytes
 from .parallel import PipelineCausalLM
 from .checkpoint import DTYPES, Checkpoint
 from .config import HFConfig, plan_for
@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("info", help="what lmstack makes of a model, without loading its weights")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory, file or name (default: smollm2)")
+    p.add_argument("--weight-format", default=None, choices=sorted(WEIGHT_FORMATS),
+                   help="the storage to tell the cost of (default: the one generate would choose on this machine)")
     p.set_defaults(run=_info)
     return parser
 
@@ -353,6 +355,9 @@ def _convert(args):
     print(f"wrote {args.out}")
 
 
+NO_BREAK = "\xa0"  # a space textwrap does not break at
+
+
 def _info(args):
     path = models.resolve(args.model)
     if is_gguf(path):
@@ -363,14 +368,20 @@ def _info(args):
         source, kind = Checkpoint.open(path), "safetensors"
     plan = plan_for(config)
     o = plan.block_options
+    weight_format = args.weight_format or models.native_format(path)
     with source:
         used = dict.fromkeys(plan.weight_names())
         infos = {name: source.info(name) for name in used if name in source}
-        stored = sum(source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
-                     for name, info in infos.items())
+        nbytes = {name: source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
+                  for name, info in infos.items()}
+        loaded = {name: _gguf_bytes(source, name) for name in infos} if weight_format == "gguf" else None
         unused = sorted(set(source.names()) - set(used))
-    params = sum(math.prod(info.shape) for info in infos.values())
-    types = ", ".join(f"{t} x{n}" for t, n in Counter(info.dtype for info in infos.values()).most_common())
+    stored, params = sum(nbytes.values()), sum(math.prod(info.shape) for info in infos.values())
+    by_type = Counter()
+    for name, info in infos.items():
+        by_type[info.dtype] += nbytes[name]
+    counts = Counter(info.dtype for info in infos.values())
+    types = ", ".join(f"{t} x{counts[t]} {_size(n)}".replace(" ", NO_BREAK) for t, n in by_type.most_common())
     windows = sorted({w for w in plan.layer_windows if w is not None})
     honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + " ".join(
         f"{k}={v}" for k, v in o["rope"].items()), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
@@ -387,14 +398,35 @@ def _info(args):
                   f"of {o['head_dim']}, d_ff {o['d_ff']}, vocab {plan.vocab_size}"),
         ("context", f"{plan.max_position_embeddings or 'unbounded'} positions"),
         ("options", ", ".join(honored)),
-        ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored ({types}); "
+        ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored; "
                     f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16"),
+        ("types", types),
+        ("loaded", _storage_cost(weight_format, infos, nbytes, loaded, params)),
         ("unused", ", ".join(unused) if unused else "none"),
     ]
     width = max(40, shutil.get_terminal_size().columns)
     for key, value in rows:
         print(textwrap.fill(value, width, initial_indent=f"{key:<9}", subsequent_indent=" " * 9,
-                            break_on_hyphens=False))
+                            break_on_hyphens=False).replace(NO_BREAK, " "))
+
+
+def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | None, params: int) -> str:
+    """What the weights take once loaded as weight_format, beside the bytes the checkpoint holds."""
+    stored = sum(nbytes.values())
+    if loaded is not None:  # gguf: each tensor as stored, or widened to float32
+        widened = Counter()
+        for name, n in loaded.items():
+            if n != nbytes[name]:
+                widened[infos[name].dtype] += n - nbytes[name]
+        if not widened:
+            return f"as gguf: {_size(stored)}, every tensor as stored"
+        return (f"as gguf: {_size(sum(loaded.values()))}; {', '.join(widened)} dequantized to float32 "
+                f"({_size(sum(widened.values()))} more than stored)")
+    if weight_format not in ("float32", "bfloat16"):
+        return f"as {weight_format}: the projection matrices quantized on load"
+    size = 4 if weight_format == "float32" else 2
+    return (f"as {weight_format}: {_size(params * size)}, every tensor dequantized: {params * size / max(stored, 1):.1f}x "
+            f"the {_size(stored)} stored")
 
 
 def _family_options(plan) -> list[str]:
@@ -418,4 +450,4 @@ def _family_options(plan) -> list[str]:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

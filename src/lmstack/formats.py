@@ -328,6 +328,15 @@ class GGUFBlocks(nn.Module):
         self.qtype, self.n, self.k = qtype, raw.shape[0], k
         self.kernel = kernels.available()
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, qtype: int, n: int, k: int) -> "GGUFBlocks":
+        """Blocks pack_gguf already packed, e.g. a large tensor packed a chunk of rows at a time (model.py)."""
+        blocks = cls.__new__(cls)
+        nn.Module.__init__(blocks)
+        blocks.weight, blocks.qtype, blocks.n, blocks.k = packed, qtype, n, k
+        blocks.kernel = kernels.available()
+        return blocks
+
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

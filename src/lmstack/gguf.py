@@ -36,6 +36,7 @@ MAX_NAME_BYTES = 65535  # keys and tensor names: the format's own limit on keys
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 2  # an array of arrays; deeper is refused
 WINDOW = 1 << 16  # bytes read at a time while walking the header
+CHUNK_BYTES = 16 << 20  # float32 bytes of a tensor dequantized at a time
 
 # value type -> numpy dtype of its little-endian encoding (strings and arrays have none)
 SCALARS = {
@@ -371,19 +372,27 @@ class GGUFHeader:
             raise ValueError(f"{self.path}: read from a closed file")
         return self._fh.fileno()
 
-    def data(self, tensor: Tensor) -> np.ndarray:
-        """A tensor's bytes as stored, read with pread: a file cut short since it was opened is named.
+    def data(self, tensor: Tensor, rows: slice | None = None) -> np.ndarray:
+        """A tensor's bytes as stored, or those of rows [start, stop) of its dims[0]-long rows, read with pread
+        into a fresh buffer: a file cut short since it was opened is named (a mapping would die of SIGBUS).
 
         The padding after them must be zeros, as every writer leaves it: a type or dims that give fewer
-        bytes than the tensor's data holds would otherwise read part of it as something else.
+        bytes than the tensor's data holds would otherwise read part of it as something else. It is checked
+        by the read that reaches the tensor's last row.
         """
-        raw = np.empty(tensor.span, dtype=np.uint8)
-        pread_into(self._fd(), raw, tensor.offset, self.path, f"tensor {tensor.name!r}")  # short reads resumed
-        if raw[tensor.nbytes:].any():
+        n_rows = math.prod(tensor.dims[1:])
+        row_bytes = tensor.nbytes // n_rows if n_rows else 0
+        start, stop, _ = (rows or slice(None)).indices(n_rows)
+        stop = max(start, stop)
+        last = stop == n_rows
+        raw = np.empty((stop - start) * row_bytes + (tensor.span - tensor.nbytes if last else 0), dtype=np.uint8)
+        pread_into(self._fd(), raw, tensor.offset + start * row_bytes, self.path, f"tensor {tensor.name!r}")
+        size = (stop - start) * row_bytes
+        if last and raw[size:].any():
             raise CheckpointError(f"{self.path}: tensor {tensor.name!r} ({tensor.type.name}, dims "
                                   f"{list(tensor.dims)}) takes {tensor.nbytes} bytes, but the padding after them "
                                   f"is not zeros: its type or dims disagree with its data")
-        return raw[:tensor.nbytes]
+        return raw[:size]
 
     def close(self):
         if self._fh is not None:
@@ -450,14 +459,9 @@ class GGUFFile(GGUFHeader):
 
     def read(self, name: str, bf16: str = "widen") -> torch.Tensor:
         """The tensor dequantized to float32, in Hugging Face's layout (bf16 is accepted for Checkpoint's surface)."""
-        t = self._tensor(name)
-        shape = self.info(name).shape
-        if not t.nbytes:
-            return torch.zeros(shape)
-        raw = self.data(t)
-        block, type_size = gguf.GGML_QUANT_SIZES[t.type]
-        rows = dequantize(raw.reshape(-1, t.dims[0] // block * type_size), t.type)
-        return self._hf_rows(name, torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(shape)))
+        weight = torch.empty(self.info(name).shape)
+        self._dequantize_into(self._tensor(name), weight)
+        return self._hf_rows(name, weight)
 
     def check_as_stored(self):
         """Refuse, before reading a weight, a tensor weight_format "gguf" cannot keep as stored: its type neither a
@@ -470,32 +474,53 @@ class GGUFFile(GGUFHeader):
                     f"multiply as stored (it takes {', '.join(q.name for q in BLOCK_TYPES + FLOAT_TYPES)}); "
                     f"weight_format 'float32' or 'bfloat16' dequantizes it")
 
-    def stored(self, name: str):
+    def _dequantize_into(self, t: Tensor, dest: torch.Tensor):
+        """Tensor t dequantized by `gguf` into dest (contiguous, its rows in the file's order), a chunk of rows at a
+        time: `gguf`'s temporaries take several times their output, so a whole tensor's would dwarf its bytes."""
+        rows = dest.view(-1, t.dims[0]) if t.dims[0] else dest.view(0, 0)
+        step = max(1, CHUNK_BYTES // max(1, 4 * t.dims[0]))
+        for start in range(0, rows.shape[0], step):
+            raw = self.data(t, slice(start, start + step))
+            values = dequantize(raw.reshape(len(rows[start:start + step]), -1), t.type)
+            rows[start:start + step].copy_(torch.from_numpy(np.asarray(values, dtype=np.float32)))
+
+    def stored(self, name: str, rows: slice | None = None):
         """Tensor `name` as the file stores it, rows in Hugging Face's order: (ggml type id, (rows, bytes) uint8) for
         the block types lmstack multiplies as stored (BLOCK_TYPES), with every float16 scale finite; else an exact
-        tensor: BF16 as bfloat16, any other type as float32 (F16 widened, a 1-D block tensor dequantized)."""
+        tensor: BF16 as bfloat16, any other type as float32 (F16 widened, a 1-D block tensor dequantized). `rows`
+        reads only those rows: a large tensor is packed a chunk at a time."""
         t = self._tensor(name)
         if t.type not in BLOCK_TYPES or len(t.dims) != 2:
             weight = self.read(name)
             check_finite(weight, self.path, name)
             return weight.bfloat16() if t.type == GGMLQuantizationType.BF16 else weight
         kind = GGUF_TYPES[t.type.value]
-        raw = self.data(t).reshape(t.dims[1], t.dims[0] // kind.values, kind.bytes)
+        if self._permuted(name):  # q and k: small, read whole to be put back in order
+            raw = self._hf_rows(name, torch.from_numpy(self.data(t).reshape(t.dims[1], -1)))[rows or slice(None)]
+            raw = raw.contiguous().numpy()
+        else:
+            raw = self.data(t, rows)
+        raw = raw.reshape(-1, t.dims[0] // kind.values, kind.bytes)
+        first = rows.start or 0 if rows is not None else 0
         for at in kind.float16_at:
             scales = raw[..., at:at + 2].copy().view("<u2")
             if ((scales & 0x7C00) == 0x7C00).any():
                 row, block = (int(i[0]) for i in np.nonzero((scales[..., 0] & 0x7C00) == 0x7C00))
                 raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a float16 scale that is inf "
-                                      f"or nan (bytes {at}..{at + 1} of block {block} of row {row})")
-        return t.type.value, self._hf_rows(name, torch.from_numpy(raw.reshape(t.dims[1], -1)))
+                                      f"or nan (bytes {at}..{at + 1} of block {block} of row {first + row})")
+        return t.type.value, torch.from_numpy(raw.reshape(raw.shape[0], -1))
+
+    def _permuted(self, name: str) -> bool:
+        """Whether llama.cpp's converter permuted tensor `name`'s rows for its rotary layout."""
+        return self.architecture.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                                "k_proj.bias"))
 
     def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The tensor as Hugging Face's checkpoint holds it: the q/k rows llama.cpp's converter permuted put back
         in order, and a norm weight it stored plus an offset (Gemma's 1 + weight) less that offset."""
         if self.architecture.norm_offset and name.endswith("norm.weight"):
             return weight - self.architecture.norm_offset
-        if self.architecture.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
-                                                          "k_proj.bias")):
+        if self._permuted(name):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             if weight.shape[0] % (2 * heads):
                 raise CheckpointError(f"{self.path}: tensor {name!r} has {weight.shape[0]} rows, not pairs of rows "
@@ -504,8 +529,12 @@ class GGUFFile(GGUFHeader):
         return weight
 
     def read_into(self, name: str, dest: torch.Tensor):
-        """Copy tensor `name` into `dest`, refusing inf and nan (also from a conversion that overflows)."""
-        dest.copy_(self.read(name))
+        """Copy tensor `name` into `dest`, refusing inf and nan (also from a conversion that overflows); straight
+        into dest a chunk at a time where no rows are reordered."""
+        if self._permuted(name) or not dest.is_contiguous():
+            dest.copy_(self.read(name))
+        else:
+            self._dequantize_into(self._tensor(name), dest)
         check_finite(dest, self.path, name)
 
     def _tensor(self, name: str):

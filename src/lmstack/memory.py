@@ -1,6 +1,7 @@
 """What a device can still allocate: a request that cannot fit is refused by name and size before the
 allocator fails with a bare RuntimeError, or the kernel's OOM killer ends the process."""
 
+import mmap
 import resource
 
 import torch
@@ -47,3 +48,19 @@ def ensure(nbytes: int, device: torch.device, what: str):
 
 def gib(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB ({nbytes} bytes)"
+
+
+def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros, but on the CPU in an anonymous mapping: its pages stay the kernel's shared zero page until
+    written, so a KV cache sized for a whole context is resident only as far as it is filled (torch.zeros
+    writes every byte at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes < mmap.PAGESIZE:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+

@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
 from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, head_projection, profile_of, resolve
 from .gguf import BLOCK_TYPES, GGUFFile, is_gguf
-from . import lookup
+from . import kernels, lookup
 from .rope import Rotary
 from .sampling import Sampler
 from .threads import Threads
@@ -54,6 +54,9 @@ def release_freed_memory():
         _MALLOC_TRIM(0)
 
 
+PACK_CHUNK_BYTES = 2 << 20  # a GGUF tensor's bytes read and packed at a time
+
+
 def _as_stored(source: GGUFFile, name: str, k: int):
     """A GGUF tensor as weight_format gguf keeps it: blocks, or an exact float32 or bfloat16 tensor."""
     return _stored_parts(source, [name], k)[0]
@@ -61,14 +64,38 @@ def _as_stored(source: GGUFFile, name: str, k: int):
 
 def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
     """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one."""
-    stored = [source.stored(name) for name in names]
-    parts = []
-    for s in stored:
-        if isinstance(s, tuple) and parts and isinstance(parts[-1], tuple) and parts[-1][0] == s[0]:
-            parts[-1] = (s[0], torch.cat((parts[-1][1], s[1])))
+    groups = []  # [block type or None, names]
+    for name in names:
+        info = source.info(name)
+        qtype = next((t.value for t in BLOCK_TYPES if t.name == info.dtype), None) if len(info.shape) == 2 else None
+        if qtype is not None and groups and groups[-1][0] == qtype:
+            groups[-1][1].append(name)
         else:
-            parts.append(s)
-    return [GGUFBlocks(s[1], s[0], k) if isinstance(s, tuple) else s for s in parts]
+            groups.append((qtype, [name]))
+    return [_packed_blocks(source, group, qtype, k) if qtype is not None else source.stored(group[0])
+            for qtype, group in groups]
+
+
+def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks:
+    """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, packed into
+    its buffer a chunk of rows at a time: beside the packed weights only a chunk of the file's bytes (and its
+    packing's temporaries) is held, never a second copy of a whole tensor."""
+    sizes = [source.info(name).shape[0] for name in names]
+    bounds = np.cumsum([0] + sizes).tolist()
+    tile = kernels.TILE
+    step = max(tile, PACK_CHUNK_BYTES // max(1, source.nbytes(names[0]) // sizes[0]) // tile * tile)
+    n, packed = bounds[-1], None
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        pieces = [source.stored(name, slice(max(start, lo) - lo, min(stop, hi) - lo))[1]
+                  for name, lo, hi in zip(names, bounds, bounds[1:]) if lo < stop and hi > start]
+        chunk = kernels.pack_gguf(pieces[0] if len(pieces) == 1 else torch.cat(pieces), qtype)
+        if packed is None:
+            packed = torch.empty((-(-n // tile), *chunk.shape[1:]), dtype=torch.uint8)
+        packed[start // tile:start // tile + chunk.shape[0]] = chunk
+        del pieces, chunk
+        release_freed_memory()  # the chunk's buffers, which glibc would otherwise keep and add to
+    return GGUFBlocks.from_packed(packed, qtype, n, k)
 
 
 def _gguf_bytes(source, name: str) -> int:
@@ -76,6 +103,23 @@ def _gguf_bytes(source, name: str) -> int:
     info = source.info(name)
     as_stored = info.dtype in ("BF16", "F32") or info.dtype in (t.name for t in BLOCK_TYPES)
     return source.nbytes(name) if as_stored else 4 * math.prod(info.shape)
+
+
+def _to_empty(block: nn.Module, device: torch.device, unread: set):
+    """block.to_empty(device) but for the parameters named in `unread`, which stay on meta: under gguf a dense
+    projection matrix would take several times its blocks, only to be dropped."""
+    if not unread:
+        block.to_empty(device=device)
+        return
+    for key, tensor in [*block.named_parameters(), *block.named_buffers()]:
+        if key not in unread:
+            owner, _, attribute = key.rpartition(".")
+            module = block.get_submodule(owner)
+            empty = torch.empty_like(tensor, device=device)
+            if attribute in module._parameters:
+                module.register_parameter(attribute, nn.Parameter(empty, requires_grad=tensor.requires_grad))
+            else:
+                module.register_buffer(attribute, empty)
 
 
 def _parameter_rows(block: nn.Module, key: str, rows: slice | None) -> torch.Tensor:
@@ -392,13 +436,15 @@ class CausalLM:
         targets = list(self._targets())  # names and shapes checked by _check_tensors
         self.unused_names = sorted(set(checkpoint.names()) - set(self.plan.weight_names()))
         targets = [t for t in targets if t[2].type != "meta"]  # meta: another process's share
-        as_stored = set()  # gguf: projection matrices _store_projections takes from the file as stored
+        unread = {}  # gguf: layer -> its projection matrices, which _store_projections takes from the file as stored
         if self.weight_format == "gguf":
-            as_stored = {name for i, block in enumerate(self.blocks) for key, name, _ in self.plan.layer_weights(i)
-                         if key.endswith(".weight") and key[:-len(".weight")] in getattr(block, "PROJECTIONS", ())}
+            unread = {i: {key for key, _, _ in self.plan.layer_weights(i) if key.endswith(".weight")
+                          and key[:-len(".weight")] in getattr(block, "PROJECTIONS", ())}
+                      for i, block in enumerate(self.blocks)}
+        as_stored = {name for i, keys in unread.items() for key, name, _ in self.plan.layer_weights(i) if key in keys}
         for done, (name, layer, device, dest) in enumerate(targets, 1):
             if layer is not None and (done == 1 or targets[done - 2][1] != layer):
-                self.blocks[layer].to_empty(device=device)  # a layer at a time: freed memory is reused
+                _to_empty(self.blocks[layer], device, unread.get(layer, set()))  # a layer at a time: memory reused
             dest = dest()
             if name not in as_stored:
                 with torch.no_grad():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import formats, kernels
+from .. import formats, kernels, memory
 from ..rope import apply_rotary
 
 ACTIVATIONS = {
@@ -305,9 +305,9 @@ class TransformerBlock(nn.Module):
     def new_cache(self, batch: int, max_tokens: int, dtype, device) -> KVCache:
         a = self.attn
         shape = (batch, a.n_kv_heads, max_tokens, a.head_dim)
-        return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return KVCache(memory.zeros(shape, dtype, device), memory.zeros(shape, dtype, device))
 
     def new_pages(self, n_blocks: int, block_size: int, dtype, device) -> PagedKV:
         a = self.attn
         shape = (n_blocks, a.n_kv_heads, block_size, a.head_dim)
-        return PagedKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return PagedKV(memory.zeros(shape, dtype, device), memory.zeros(shape, dtype, device))
