@@ -404,7 +404,8 @@ def main():
                         help="llama.cpp's llama-completion binary, for --cold-start")
     parser.add_argument("--cold-start", action="store_true", help="seconds to the first token, per file")
     parser.add_argument("--bandwidth", type=float, help="GB/s of a plain read (default: bench/bandwidth.py's)")
-    parser.add_argument("--quick", action="store_true", help="16 new tokens, 128-token prefill, one 1024 context")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 new tokens, 128-token prefill, one 1024 context, unless given")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -415,8 +416,10 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         args.llama_cpp = False
-    if args.quick:
-        args.new_tokens, args.prefill_tokens, args.contexts = 16, 128, "1024"
+    if args.quick:  # shorter defaults; what is given stays
+        for name, value in dict(new_tokens=16, prefill_tokens=128, contexts="1024").items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
 
     from lmstack.config import plan_for
     from lmstack.gguf import GGUFFile
