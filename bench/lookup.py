@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+import ggufs
 from workers import Worker, serve
 
 TEXT = ("The history of the bicycle is long and full of suprises. The first machines, built in the early nineteenth "
@@ -171,12 +172,7 @@ def rows(files, args) -> list:
 
     hf_dir = None
     if args.transformers:
-        from decode import cache_dir
-        from lmstack.convert import convert
-
-        hf_dir = cache_dir(files["BF16"]) / "hf-BF16"
-        if not hf_dir.exists():
-            convert(files["BF16"], hf_dir)
+        hf_dir = ggufs.hf_checkpoint(files["BF16"])
     measured = measure(files["BF16"], hf_dir, llama_cpp=args.llama_cpp, threads=args.threads,
                        new_tokens=max(args.new_tokens, 64), repeats=args.repeats)
     engines = measured["engines"]
@@ -210,18 +206,8 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         has_llama_cpp = False
-    from decode import cache_dir, quantized_ggufs
-    from lmstack import models
-
-    source = models.resolve(args.model)
-    bf16 = quantized_ggufs(source, cache_dir(source), has_llama_cpp)["BF16"]
-    hf_dir = None
-    if not args.no_transformers:
-        from lmstack.convert import convert
-
-        hf_dir = cache_dir(bf16) / "hf-BF16"
-        if not hf_dir.exists():
-            convert(bf16, hf_dir)
+    bf16 = ggufs.bench_files(args.model, ["BF16"])["BF16"]
+    hf_dir = None if args.no_transformers else ggufs.hf_checkpoint(bf16)
     load_before = os.getloadavg()[0]
     measured = measure(bf16, hf_dir, llama_cpp=has_llama_cpp, weight_format=args.weight_format, threads=args.threads,
                        draft=args.draft, new_tokens=args.new_tokens, repeats=args.repeats)

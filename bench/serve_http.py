@@ -10,10 +10,14 @@ seconds apart on the same machine. The "newcomer" row is the time to first token
 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
 this process, without HTTP.
 
-llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/decode.py's
-cached file), `--threads` threads and one slot per client of the largest level:
+llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
+cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
+run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in --weight-format), e.g. the
+SmolLM2-1.7B-shaped random model in Q4_0:
 
-    python bench/serve_http.py --llama-server /work/llama-build/build/bin/llama-server
+    python bench/serve_http.py --llama-server /work/peers/llama.cpp-build/bin/llama-server
+    python bench/serve_http.py --model smollm2-1.7b-random --file-type Q4_0 --weight-format gguf \
+        --llama-server /work/peers/llama.cpp-build/bin/llama-server
 """
 
 import argparse
@@ -202,18 +206,11 @@ def start_lmstack(args, env) -> tuple:
     return process, port
 
 
-def bf16_weights(model: str) -> Path:
-    """The model's GGUF in BF16, made once by bench/decode.py's quantizer and kept between runs."""
-    from decode import cache_dir, quantized_ggufs
-    from lmstack.models import resolve
+def bench_file(model: str, file_type: str) -> Path:
+    """The model's GGUF in the type, made once by bench/ggufs.py and kept between runs."""
+    import ggufs
 
-    try:
-        import llama_cpp  # noqa: F401
-        has_llama_cpp = True
-    except ImportError:
-        has_llama_cpp = False
-    source = resolve(model)
-    return quantized_ggufs(source, cache_dir(source), has_llama_cpp)["BF16"]
+    return ggufs.bench_files(model, [file_type])[file_type]
 
 
 def start_llama_server(binary: Path, weights: Path, workdir: Path, args, env) -> tuple:
@@ -243,7 +240,13 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", action="store_true", help="also the in-process Engine, without HTTP")
     parser.add_argument("--llama-server", type=Path, default=shutil.which("llama-server"))
+    parser.add_argument("--file-type", help="both servers on bench/ggufs.py's file of this type (default: lmstack "
+                        "on --model, llama-server on its BF16 file)")
     args = parser.parse_args()
+    if args.file_type:
+        args.model = str(bench_file(args.model, args.file_type))
+    elif args.model == "smollm2-1.7b-random":
+        parser.error("--model smollm2-1.7b-random needs --file-type")
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     src = str(Path(__file__).parents[1] / "src")
@@ -253,8 +256,8 @@ def main():
         try:
             servers["lmstack"] = start_lmstack(args, env)[:2]
             if args.llama_server and Path(args.llama_server).exists():
-                process, port, weights = start_llama_server(Path(args.llama_server), bf16_weights(args.model),
-                                                            Path(workdir), args, env)
+                weights = Path(args.model) if args.file_type else bench_file(args.model, "BF16")
+                process, port, weights = start_llama_server(Path(args.llama_server), weights, Path(workdir), args, env)
                 servers["llama-server"] = process, port
                 print(f"llama-server: {args.llama_server} on {weights.name}, {args.threads} threads, "
                       f"{max(args.clients)} slots")
