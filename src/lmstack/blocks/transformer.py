@@ -245,6 +245,8 @@ class TransformerBlock(nn.Module):
         return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     def new_pages(self, n_blocks: int, block_size: int, dtype, device) -> PagedKV:
+        """Uninitialized: a slot is written before any token reads it, and untouched pages take no memory (RSS
+        grows with use, not with the pool's size)."""
         a = self.attn
         shape = (n_blocks, a.n_kv_heads, block_size, a.head_dim)
-        return PagedKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return PagedKV(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
