@@ -9,6 +9,7 @@ import transformers
 from lmstack import CausalLM, kernels
 from lmstack.blocks.transformer import PagedContext, PagedKV, _paged_attention_reference
 from lmstack.engine import Engine, EngineError
+from lmstack.engine.kv_cache import BlockPool, Sequence
 
 VOCAB = 256
 
@@ -163,6 +164,23 @@ def test_abort_frees_the_blocks(llama):
         list(engine.add([1], max_tokens=1))  # a step after the abort
     stats = engine.stats()  # published at the end of every step; close waits for the last one
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_requests_one_after_another_touch_the_blocks_of_one_request():
+    """Released blocks are taken before blocks never used: the pool's touched memory follows the most blocks
+    held at once, and a prompt repeated meanwhile still finds its blocks cached."""
+    pool = BlockPool(64, 4)
+    touched = set()
+    for k in range(20):
+        seq = Sequence()
+        tokens = [k] * 12
+        assert pool.grow(seq, len(tokens) + 1)
+        pool.seal(seq, tokens, len(tokens))
+        touched |= set(seq.blocks)
+        pool.release(seq)
+    assert len(touched) == 4 and pool.n_free == 64
+    again = [19] * 12
+    assert len(pool.match(again)) == 3  # the last prompt's full blocks
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -114,3 +114,33 @@ def test_numpy_scalars_are_ids_at_every_entry_point(lm):
     torch.testing.assert_close(lm.forward(row), lm.forward([5, 7, 9]), rtol=0, atol=0)
     assert torch.equal(lm.generate(row, 3), lm.generate([5, 7, 9], 3))
     assert torch.equal(lm.generate([row, [np.int64(1)]], 2), lm.generate([[5, 7, 9], [1]], 2))
+
+
+def test_errors_name_the_flag_at_fault(model_dir):
+    """The library names its parameters; the command names its flags too (this model has no context limit, so the
+    decode state's size is what -n asks for)."""
+    code, _, err = run("generate", "-m", str(model_dir), "-n", "1000000000", "hello")
+    one_line_error(code, err, "decode state", "--max-new-tokens 1000000000")
+    code, _, err = run("generate", "-m", str(model_dir), "--top-p", "2", "hello")
+    one_line_error(code, err, "top_p", "--top-p 2.0")
+
+
+def test_a_tokenizers_panic_is_one_short_line(model_dir, tmp_path):
+    """Rust prints a panic's message (and, with RUST_BACKTRACE, a backtrace) itself: the command drops it."""
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(model_dir, root)
+    spec = json.loads((root / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False},
+        spec["pre_tokenizer"]]}
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    for backtrace in ("0", "1"):
+        os.environ["RUST_BACKTRACE"], saved = backtrace, os.environ.get("RUST_BACKTRACE")
+        try:
+            code, _, err = run("generate", "-m", str(root), "-n", "2", "a" * 41)
+        finally:
+            os.environ.pop("RUST_BACKTRACE") if saved is None else os.environ.update(RUST_BACKTRACE=saved)
+        one_line_error(code, err, "tokenizers failed on this input", "retry-limit")
+        assert "panicked" not in err and "Exception" not in err and len(err) < 300, err

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmstack import (CausalLM, CausalLMState, Checkpoint, CheckpointError, HFConfig, ParallelCausalLM, SafetensorsFile,
-                     plan_for)
+                     UnsupportedModel, plan_for)
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +325,7 @@ def test_non_integer_ids_raise_type_error(llama, ids):
 def test_max_positions_above_the_config_is_refused_by_name(llama):
     path, lm = llama
     assert lm.max_positions == 128
-    with pytest.raises(ValueError, match="max_positions 129 exceeds the config's max_position_embeddings 128"):
+    with pytest.raises(UnsupportedModel, match="max_positions 129 exceeds the config's max_position_embeddings 128"):
         CausalLM.load(path, device="cpu", max_positions=129)
 
 

@@ -25,7 +25,9 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from lmstack import CausalLM, Tokenizer  # noqa: E402
+from lmstack import CausalLM, Tokenizer, plan_for  # noqa: E402
+from lmstack.gguf import GGUFFile  # noqa: E402
+from lmstack.models import smollm2  # noqa: E402
 from lmstack.sampling import generate_text  # noqa: E402
 from lmstack.server import Service, create_app  # noqa: E402
 
@@ -620,15 +622,16 @@ def test_closing_ends_streams_with_an_error_event(model):
         _assert_error(*raw(url, "POST", "/v1/completions", {"model": NAME, "prompt": "x"})[::2], 503, "shutting")
 
 
-def test_lmstack_serve_answers_and_stops_on_sigterm(checkpoint):
-    """The command: binds, answers, and on SIGTERM ends a running stream with an error event and exits 0."""
+@contextmanager
+def serving(*args):
+    """`lmstack serve ARGS` on a free port until /health answers 200; yields (process, base URL), then kills it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "lmstack", "serve", "--model", str(checkpoint), "--port",
-                                str(port), "--max-running", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "lmstack", "serve", *args, "--port", str(port)], env=env,
+                               stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -641,6 +644,36 @@ def test_lmstack_serve_answers_and_stops_on_sigterm(checkpoint):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+IDLE_RSS = 700 << 20  # README ("Serving" > memory): an idle `lmstack serve` of the default model stays under it
+
+
+def test_an_idle_server_holds_no_kv_pool_pages():
+    """The KV pool (here about 4.7 GB of address space) is not touched before it is used."""
+    with serving() as (process, url):
+        _, _, metrics = raw(url, "GET", "/metrics")
+        with GGUFFile(smollm2()) as gguf:
+            plan = plan_for(gguf.config)
+        o = plan.block_options
+        block = 2 * plan.n_layers * o["n_kv_heads"] * o["head_dim"] * 16 * 4  # 16 float32 slots of every layer
+        assert _metric(metrics, "lmstack_kv_cache_blocks_total") * block > 1 << 30
+        assert resident_bytes(process.pid) < IDLE_RSS, resident_bytes(process.pid)
+
+
+def test_lmstack_serve_answers_and_stops_on_sigterm(checkpoint):
+    """The command: binds, answers, and on SIGTERM ends a running stream with an error event and exits 0."""
+    with serving("--model", str(checkpoint), "--max-running", "2") as (process, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert client.completions.create(model=str(checkpoint), prompt="Hi", max_tokens=3).usage.completion_tokens == 3
         stream = iter(client.completions.create(model=str(checkpoint), prompt="Go", max_tokens=CONTEXT - 5,
@@ -653,10 +686,6 @@ def test_lmstack_serve_answers_and_stops_on_sigterm(checkpoint):
         assert process.wait(timeout=30) == 0
         log = process.stderr.read()
         assert '"POST /v1/completions" 200 prompt=' in log, log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_no_error_body_shows_a_server_path(model, checkpoint):

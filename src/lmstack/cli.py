@@ -7,9 +7,11 @@ only when it is a terminal.
 import argparse
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,10 +28,15 @@ from .sampling import Sampler, text_steps
 
 GENERATE_TOKENS = 64
 CHAT_TOKENS = 256
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop",
+         "prompt_lookup": "--prompt-lookup", "lookup_ngram": "--lookup-ngram"}  # the library's names: our flags
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if argv is None:  # the command itself, not a caller in its own process
+        _drop_native_panic_messages()
     try:
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise OSError("stdout is closed: nowhere to write the answer")
@@ -43,6 +50,52 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError, KeyError, MemoryError) as e:
         print(f"lmstack: error: {e}", file=sys.stderr)
         return 1
+
+
+RUST_PANIC = re.compile(rb"thread '.*' (\(\d+\) )?panicked at ")
+RUST_FRAME = re.compile(rb"\s+(\d+: |at )")
+
+
+def _drop_native_panic_messages():
+    """Native code's writes to stderr pass through a thread that drops Rust's panic messages: a `tokenizers`
+    panic on a hostile tokenizer.json prints one (a backtrace, with RUST_BACKTRACE) before the exception that
+    becomes our one-line error. Python's own stderr (sys.stderr) writes to the terminal as before."""
+    if sys.stderr is None or sys.stderr is not sys.__stderr__ or threading.active_count() > 1:
+        return
+    try:
+        sys.stderr.flush()
+        terminal, (read, write) = os.dup(2), os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+    except OSError:
+        return
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors=sys.stderr.errors)
+    threading.Thread(target=_forward_stderr, args=(read, terminal), name="lmstack-stderr", daemon=True).start()
+
+
+def _forward_stderr(read: int, terminal: int):
+    """Copy what comes in on `read` to `terminal`, less each panic: its header, message and note or backtrace."""
+    pending, panic, frames = b"", False, False
+    while chunk := os.read(read, 1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        out = []
+        for line in lines:
+            if not panic and RUST_PANIC.match(line):
+                panic, frames = True, False
+            elif panic and line.startswith(b"note: "):
+                panic = False
+            elif panic and line == b"stack backtrace:":
+                frames = True
+            elif panic and frames and not RUST_FRAME.match(line):
+                panic = False
+                out.append(line + b"\n")
+            elif not panic:
+                out.append(line + b"\n")
+        if pending and not panic and not b"thread '".startswith(pending[:8]):
+            out.append(pending)
+            pending = b""
+        if out:
+            os.write(terminal, b"".join(out))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,7 +260,10 @@ class _Progress:
 
 def _load(args):
     if hasattr(args, "temperature"):
-        Sampler(**_sampling(args))  # refuse bad sampling flags before the load
+        try:
+            Sampler(**_sampling(args))  # refuse bad sampling flags before the load
+        except ValueError as e:
+            raise _naming_flags(e, args) from None
     start = time.perf_counter()
     model_class = PipelineCausalLM if getattr(args, "pipeline", False) else CausalLM
     if args.weight_format is None:
@@ -239,6 +295,8 @@ def _answer(lm, tokenizer, ids, args) -> str:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 text += piece
+    except (ValueError, MemoryError) as e:
+        raise _naming_flags(e, args) from None
     finally:  # Ctrl-C included: the answer's line is ended
         if not text.endswith("\n"):
             print(flush=True)
@@ -248,6 +306,19 @@ def _answer(lm, tokenizer, ids, args) -> str:
         print(f"[prompt: {len(ids)} tokens, {len(ids) / (first - start):.1f} tokens/s; "
               f"decode: {tokens} tokens, {decode} tokens/s]", file=sys.stderr)
     return text
+
+
+def _naming_flags(error: Exception, args) -> Exception:
+    """The error, with the flags it is about and their values: the library names its parameters, and a decode
+    state too large for memory is what --max-new-tokens asked for."""
+    message = str(error)
+    flags = [flag for name, flag in FLAGS.items() if re.search(rf"\b{name}\b", message)]
+    if not flags and isinstance(error, MemoryError):
+        flags = [FLAGS["max_new_tokens"]]
+    if not flags:
+        return error
+    given = ", ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in flags)
+    return (MemoryError if isinstance(error, MemoryError) else ValueError)(f"{message} (asked by {given})")
 
 
 def _generate(args):

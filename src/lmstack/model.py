@@ -20,7 +20,7 @@ from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError, TensorDict
-from .config import ConfigError, HFConfig, ModelPlan, plan_for, read_json, shown
+from .config import ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for, read_json, shown
 from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, head_projection, profile_of, resolve
 from .gguf import BLOCK_TYPES, GGUFFile, is_gguf
 from . import kernels, lookup
@@ -293,8 +293,8 @@ def _check_max_positions(plan: ModelPlan, max_positions):
     if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
         raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
     limit = plan.max_position_embeddings
-    if limit is not None and max_positions > limit:
-        raise ValueError(f"max_positions {max_positions} exceeds the config's max_position_embeddings {limit}")
+    if limit is not None and max_positions > limit:  # positions the model was not trained for
+        raise UnsupportedModel(f"max_positions {max_positions} exceeds the config's max_position_embeddings {limit}")
 
 
 class CausalLM:

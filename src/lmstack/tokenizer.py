@@ -144,7 +144,7 @@ class Tokenizer:
         except BaseException as e:  # pyo3 panics derive from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise TokenizerError(f"{file}: tokenizers cannot load it: {e}") from None
+            raise TokenizerError(f"{file}: tokenizers cannot load it: {_short(e)}") from None
 
         def content(key):
             token = config.get(key)
@@ -214,7 +214,7 @@ class Tokenizer:
         try:
             self._special = backend or tokenizers.Tokenizer.from_str(text)
         except Exception as e:
-            raise TokenizerError(f"{source}: tokenizers cannot build it: {e}") from None
+            raise TokenizerError(f"{source}: tokenizers cannot build it: {_short(e)}") from None
         vocab = self._special.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"{source}: the vocabulary is empty")
@@ -387,8 +387,7 @@ class Tokenizer:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:
-            raise TokenizerError(f"{self.source}: tokenizers failed on this input ({type(e).__name__}: "
-                                 f"{str(e)[:200]})") from None
+            raise TokenizerError(f"{self.source}: tokenizers failed on this input: {_short(e)}") from None
 
     def _check_encodable(self, text: str, where=""):
         """Refuse a character with a byte that has no token, which `tokenizers` would drop silently."""
@@ -419,6 +418,12 @@ class Tokenizer:
             if not (isinstance(i, int) and 0 <= i < self.n_vocab) or (self._bytes and self._bytes[i] is None):
                 raise ValueError(f"{self.source}: id {i!r} at position {pos} is not in the vocabulary "
                                  f"(0..{self.n_vocab - 1})")
+
+
+def _short(error: BaseException, limit: int = 120) -> str:
+    """The first line of a `tokenizers` error (a pyo3 panic's message can run to many), at most `limit` characters."""
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 class _InertSpecials:

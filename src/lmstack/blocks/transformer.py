@@ -308,6 +308,8 @@ class TransformerBlock(nn.Module):
         return KVCache(memory.zeros(shape, dtype, device), memory.zeros(shape, dtype, device))
 
     def new_pages(self, n_blocks: int, block_size: int, dtype, device) -> PagedKV:
+        """Zero pages mapped on first touch: untouched pages take no memory (RSS grows with use, not with the
+        pool's size)."""
         a = self.attn
         shape = (n_blocks, a.n_kv_heads, block_size, a.head_dim)
         return PagedKV(memory.zeros(shape, dtype, device), memory.zeros(shape, dtype, device))

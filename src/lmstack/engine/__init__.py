@@ -33,7 +33,8 @@ the step whole before the next chunk of a longer one), and when the KV pool is s
 sequence (recomputed later). The block manager (kv_cache.py) hands out
 blocks of block_size token slots from one pool of kv_cache_memory bytes (default: enough for max_running
 sequences of the model's whole context, but at most a quarter of the memory free at start), and keeps full
-blocks keyed by their prefix for later prompts that start the same way. The runner (runner.py) makes one
+blocks keyed by their prefix for later prompts that start the same way. The pool is not touched when it is
+made, and released blocks are taken before never-used ones: resident memory follows the blocks in use. The runner (runner.py) makes one
 forward of every scheduled token (CausalLM.forward_paged); recurrent models (Mamba 1 and 2) keep one state per
 running sequence instead of blocks.
 

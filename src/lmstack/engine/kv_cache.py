@@ -3,6 +3,8 @@
 A full block is keyed by (its parent block's key, its token ids), so a key stands for the whole prefix up to the
 block's end. Blocks are reference counted; a released block keeps its key and contents until the pool needs it,
 least recently released first, so a later prompt with the same prefix reuses it instead of computing it again.
+A block never used yet is taken only when no released one is left: the pool's memory is touched (made resident)
+as far as the most blocks ever held at once need, not further with every request.
 """
 
 from collections import OrderedDict
@@ -29,13 +31,14 @@ class BlockPool:
     def __init__(self, n_blocks: int, block_size: int):
         self.block_size = block_size
         self.blocks = [Block() for _ in range(n_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))  # least recently released first
+        self.free: OrderedDict[int, None] = OrderedDict()  # released blocks, least recently released first
+        self.unused = list(range(n_blocks - 1, -1, -1))  # blocks never used, the lowest last (taken first)
         self.cached: dict[int, int] = {}  # key -> block
         self.queries = self.hits = 0  # full prompt blocks looked up, and found
 
     @property
     def n_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.unused)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -74,10 +77,10 @@ class BlockPool:
     def grow(self, seq: Sequence, n_tokens: int) -> bool:
         """Give seq blocks for n_tokens tokens in all; False (and nothing taken) if the pool is short."""
         need = self.blocks_for(n_tokens) - len(seq.blocks)
-        if need > len(self.free):
+        if need > self.n_free:
             return False
         for _ in range(need):
-            b, _ = self.free.popitem(last=False)
+            b = self.free.popitem(last=False)[0] if self.free else self.unused.pop()
             block = self.blocks[b]
             if block.key is not None and self.cached.get(block.key) == b:
                 del self.cached[block.key]
