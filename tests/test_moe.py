@@ -12,11 +12,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from lmstack import CausalLM, UnsupportedModel, plan_for
+from lmstack import CausalLM, UnsupportedModel, kernels, plan_for
 from lmstack.blocks.transformer import MixtureOfExperts
 from lmstack.config import ConfigError
 from lmstack.families.moe import NAMES
-from lmstack.formats import GGUFLinear, Int4Linear, Int8Linear, MatvecLinear
+from lmstack.formats import GGUFLinear, Int4Linear, Int8Linear, MatvecLinear, row_invariant
 from lmstack.gguf import GGUFFile
 from test_gguf import permute, tiny_vocab
 
@@ -267,3 +267,18 @@ def test_info_shows_the_experts(tiny_checkpoint):
     for words in ("qwen3_moe (transformer)", "experts: top 2 of 4 (d_ff 32) on 3 of 4 layers",
                   "not renormalized", "qk_norm True"):
         assert words in text, (words, out)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
+@pytest.mark.parametrize("weight_format, profile", [("float32", None), ("int8", None), ("bfloat16", "bf16")])
+def test_a_tokens_mixture_output_does_not_depend_on_its_batch_mates(tiny_checkpoint, weight_format, profile):
+    """Under formats.row_invariant (the engine's steps) each token's routing and experts give the same bits in a
+    batch of 24 tokens as alone: the engine's batch invariance, down to the mixture."""
+    lm = CausalLM.load(tiny_checkpoint("mixtral")[0], weight_format=weight_format, numeric_profile=profile,
+                       device="cpu")
+    mixture = lm.blocks[0].mlp
+    x = torch.randn(1, 24, lm.d_model, generator=torch.Generator().manual_seed(4)).to(lm.dtype)
+    with torch.no_grad(), row_invariant():
+        together = mixture(x)
+        alone = torch.cat([mixture(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
+    assert torch.equal(together, alone)
