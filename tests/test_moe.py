@@ -181,6 +181,7 @@ def write_moe_gguf(path, reference, qtype=Q.F32) -> dict:
         writer.add_sliding_window(c.sliding_window)
     tokens, merges = tiny_vocab(c.vocab_size)
     writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
     held = {}
@@ -245,6 +246,25 @@ def test_gguf_with_stacked_experts_matches_transformers(tiny_checkpoint, tmp_pat
     delta = worst_delta(lm.forward(IDS), expected)
     print(f"{name} {qtype.name} as {weight_format}: worst |delta logit| / scale = {delta:.2e}")
     assert delta <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_convert_writes_a_mixture_transformers_loads(tiny_checkpoint, tmp_path, name):
+    """`lmstack convert` of a GGUF mixture: each expert under its Hugging Face name, Mixtral's class named (not
+    llama's), and transformers' logits on the directory equal lmstack's on the file."""
+    import transformers
+
+    from lmstack.convert import convert
+
+    _, reference = tiny_checkpoint(name)
+    write_moe_gguf(tmp_path / "m.gguf", reference)
+    convert(tmp_path / "m.gguf", tmp_path / "hf")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(converted).__name__ == type(reference).__name__
+    with torch.no_grad():
+        expected = converted(IDS).logits
+    lm = CausalLM.load(tmp_path / "m.gguf", device="cpu")
+    assert worst_delta(lm.forward(IDS), expected) <= 1e-4
 
 
 def test_a_stacked_experts_tensor_of_the_wrong_rank_is_refused_by_name(tiny_checkpoint, tmp_path):

@@ -114,6 +114,7 @@ def gguf_config(file, model_type: str) -> dict:
     config["num_experts_per_tok"] = file._int("{arch}.expert_used_count")
     if model_type == "mixtral":
         config["num_local_experts"] = n_experts
+        config["architectures"] = ["MixtralForCausalLM"]  # `lmstack convert`'s class, not the architecture's
         return config
     config["num_experts"] = n_experts
     config["moe_intermediate_size"] = file._int("{arch}.expert_feed_forward_length")
