@@ -248,6 +248,31 @@ def test_gguf_with_stacked_experts_matches_transformers(tiny_checkpoint, tmp_pat
     assert delta <= 1e-4
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_qwen3moe_gguf_matches_transformers_gguf_loader(tmp_path, qtype):
+    """transformers' own reading of the same qwen3moe file. Its GGUF loader leaves the experts' width out of the
+    config (768, the default, is what it builds), so this mixture's experts are 768 wide; every layer a mixture,
+    renormalized, as llama.cpp runs qwen3moe."""
+    import transformers
+
+    from conftest import _perturb
+
+    torch.manual_seed(23)
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
+                                         max_position_embeddings=128, initializer_range=0.1)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _perturb(model)
+    write_moe_gguf(tmp_path / "m.gguf", model, qtype)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        expected = theirs.eval()(IDS).logits
+    for weight_format in ("float32", "gguf"):
+        lm = CausalLM.load(tmp_path / "m.gguf", weight_format=weight_format, device="cpu")
+        assert worst_delta(lm.forward(IDS), expected) <= 1e-4, weight_format
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_convert_writes_a_mixture_transformers_loads(tiny_checkpoint, tmp_path, name):
     """`lmstack convert` of a GGUF mixture: each expert under its Hugging Face name, Mixtral's class named (not
