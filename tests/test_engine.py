@@ -49,6 +49,11 @@ def kquant_gguf(tiny_checkpoint, tmp_path_factory):  # every K-quant, Q5_0 and Q
     return CausalLM.load(path, weight_format="gguf", numeric_profile="bf16")
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe(tiny_checkpoint):  # top 3 of 6 experts in every other layer
+    return CausalLM.load(tiny_checkpoint("qwen3_moe_norm")[0])
+
+
 def engine_for(model, blocks=64, **options):
     return Engine(model, kv_cache_memory=blocks * model.page_bytes(options.get("block_size", 16)), **options)
 
@@ -73,7 +78,7 @@ class Recorder:
         engine.runner.run = recording
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "gemma3", "kquant_gguf"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama_bf16", "gemma3", "kquant_gguf", "qwen3_moe"])
 def test_sixteen_concurrent_requests_equal_each_alone(request, name):
     model = request.getfixturevalue(name)
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95)

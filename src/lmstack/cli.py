@@ -501,7 +501,7 @@ def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | 
 
 
 def _family_options(plan) -> list[str]:
-    """The options beyond Llama's that the plan sets (Gemma's), as `info` shows them."""
+    """The options beyond Llama's that the plan sets (Gemma's, the experts'), as `info` shows them."""
     o, out = plan.block_options, []
     if o.get("norm_offset") is not None:
         out.append(f"norm scale {o['norm_offset']:g} + weight")
@@ -517,6 +517,11 @@ def _family_options(plan) -> list[str]:
         out.append(f"embedding scale {plan.embed_scale:.4g}")
     if plan.final_softcap is not None:
         out.append(f"final logit softcap {plan.final_softcap:g}")
+    if any(plan.layer_experts):
+        e = o["experts"]
+        out.append(f"experts: top {e['top_k']} of {e['n_experts']} (d_ff {e['d_ff']}) on "
+                   f"{sum(plan.layer_experts)} of {plan.n_layers} layers, softmax over all then "
+                   f"{'the chosen renormalized' if e['norm_topk_prob'] else 'not renormalized'}")
     return out
 
 

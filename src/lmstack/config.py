@@ -16,6 +16,7 @@ MAX_LAYERS = 1024
 MAX_WIDTH = 1 << 17
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
+MAX_EXPERTS = 4096  # experts in one layer (the largest released mixtures have 384)
 MAX_JSON_BYTES = 128 << 20  # the largest released tokenizer.json is near 35 MB
 EPS_RANGE = (1.1754943508222875e-38, 1.0)  # float32's smallest normal number, and 1
 MIN_ROPE_THETA = 1.0  # below it the rotary frequencies exceed one turn per token (and 1e-320 makes them inf)
@@ -149,6 +150,7 @@ class ModelPlan:
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
     layer_tensors: tuple = field(default=(), repr=False)  # per layer: ((block parameter, checkpoint tensor, rows), ...)
     layer_windows: tuple = field(default=())
+    layer_experts: tuple = field(default=())  # per layer: whether its MLP is the mixture of experts (empty: none is)
 
     @property
     def block_kwargs(self) -> dict:

@@ -127,6 +127,8 @@ def check_format(weight_format: str, plan, devices=()):
         o = plan.block_options
         widths = {"hidden_size": plan.d_model, "intermediate_size": o["d_ff"],
                   "heads * head_dim": o["n_heads"] * o["head_dim"]}
+        if any(plan.layer_experts):
+            widths["the experts' intermediate size"] = o["experts"]["d_ff"]
         for name, width in widths.items():
             if width % INT4_GROUP:
                 raise ValueError(f"weight_format 'int4' needs {name} divisible by {INT4_GROUP}, got {width}")

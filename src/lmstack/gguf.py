@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
-from .config import HFConfig, UnsupportedModel
+from .config import MAX_EXPERTS, HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
 from .kernels import GGUF_TYPES
 
@@ -418,15 +418,33 @@ class GGUFFile(GGUFHeader):
                 raise UnsupportedModel(f"{self.path}: GGUF architecture {arch!r} is not supported "
                                        f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
             self.arch, self.architecture = arch, GGUF_ARCHITECTURES[arch]
-            self._tensors = {self.architecture.hf_name(name): t for name, t in self.tensors.items()}
-            if len(self._tensors) < len(self.tensors):
-                raise CheckpointError(f"{self.path}: two tensors take the same Hugging Face name")
+            self._tensors = {}
+            for name, t in self.tensors.items():
+                for hf_name, entry in self._hf_entries(name, t):
+                    if hf_name in self._tensors:
+                        raise CheckpointError(f"{self.path}: two tensors take the same Hugging Face name {hf_name!r}")
+                    self._tensors[hf_name] = entry
             self._check_types()
             # the family's reading of the metadata as config.json; plan_for's errors then name this file
             self.config = HFConfig(self.architecture.config(self), self.path)
         except BaseException:
             self.close()
             raise
+
+    def _hf_entries(self, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+        """A GGUF tensor under its Hugging Face name; one that stacks a layer's experts (dims (in, out, experts))
+        as one entry per expert, over that expert's bytes (the last one keeps the padding after them)."""
+        template = self.architecture.expert_name(name)
+        if template is None:
+            return [(self.architecture.hf_name(name), t)]
+        if len(t.dims) != 3 or not 1 <= t.dims[2] <= MAX_EXPERTS:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dims {list(t.dims)}, expected (in, out, experts) "
+                                  f"with 1 to {MAX_EXPERTS} experts")
+        n = t.dims[2]
+        each = t.nbytes // n
+        return [(template.replace("{e}", str(e)),
+                 Tensor(f"{name} (expert {e})", t.dims[:2], t.type, t.offset + e * each, each,
+                        each if e < n - 1 else t.span - e * each)) for e in range(n)]
 
     # ---- model metadata ------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ def _block(plan: ModelPlan, i: int, dtype) -> nn.Module:
     """Layer i of the plan's kind, its parameters in dtype (Mamba blocks keep a few float32: blocks/mamba1.py)."""
     if plan.kind in RECURRENT_BLOCKS:
         return RECURRENT_BLOCKS[plan.kind](plan.d_model, plan.block_options, dtype)
-    return TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i]).to(dtype)
+    experts = bool(plan.layer_experts) and plan.layer_experts[i]
+    return TransformerBlock(plan.d_model, plan.block_options, plan.layer_windows[i], experts).to(dtype)
 
 
 def _malloc_trim():

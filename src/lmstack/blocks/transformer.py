@@ -226,14 +226,58 @@ class MLP(nn.Module):
         return self.down(self.act(gate) * up)
 
 
+class MixtureOfExperts(nn.Module):
+    """The MLP as a mixture: a router scores every expert, each token runs through its top_k experts, and their
+    outputs are summed weighted by the softmax of the scores (over all experts, then the chosen renormalized to
+    sum to 1 where `norm_topk_prob`), as transformers' Qwen3-MoE and Mixtral compute it. Mixtral keeps the weights
+    in float32 (`float32_weights`), Qwen3-MoE rounds them to the activations' dtype first.
+
+    Only the chosen experts run, each on the tokens that chose it (a prefill groups its tokens by expert). A token's
+    expert outputs are added in expert order, each row computed by projections that are row-invariant under
+    formats.row_invariant, so a token's result does not depend on the tokens that share the step."""
+
+    def __init__(self, d_model: int, options: dict, act: str):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = options["top_k"], options["norm_topk_prob"]
+        self.float32_weights = options["float32_weights"]
+        self.router = nn.Linear(d_model, options["n_experts"], bias=False)
+        self.experts = nn.ModuleList(MLP(d_model, options["d_ff"], act, False) for _ in range(options["n_experts"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = self._router_logits(x).float().softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():  # ascending: each token's outputs summed in expert order
+            rows, k = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[rows]) * weights[rows, k, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out.view(shape)
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ router.T in x's dtype; lmstack's kernels where a projection would take them (few rows, or under
+        formats.row_invariant), so the routing of a row does not depend on its batch-mates either."""
+        w = self.router.weight
+        if kernels.usable(x) and w.dtype == x.dtype and (
+                x.shape[0] <= formats.MATVEC_ROWS or formats.row_invariant_active()):
+            return kernels.matvec_f32(x, w, None) if x.dtype == torch.float32 else kernels.matvec_bf16(x, w, None)
+        return F.linear(x, w)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm attention and MLP, each added to the residual. Options beyond Llama's: `sandwich_norms` (a norm on
-    each output before its residual add, Gemma's), `norm_offset` (see RMSNorm), and Attention's `attn_scale`,
-    `attn_softcap` and `local_rope` (sliding layers rotate by their own settings)."""
+    each output before its residual add, Gemma's), `norm_offset` (see RMSNorm), Attention's `attn_scale`,
+    `attn_softcap` and `local_rope` (sliding layers rotate by their own settings), and `experts` (the MLP as a
+    MixtureOfExperts, in the layers where `experts` is passed True)."""
 
     PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # what a weight format may re-store
 
-    def __init__(self, d_model: int, options: dict, window: int | None):
+    def __init__(self, d_model: int, options: dict, window: int | None, experts: bool = False):
         super().__init__()
         o = options
         offset = o.get("norm_offset")
@@ -243,7 +287,12 @@ class TransformerBlock(nn.Module):
                               softcap=o.get("attn_softcap"), local_rope=window is not None and "local_rope" in o,
                               norm_offset=offset)
         self.mlp_norm = RMSNorm(d_model, o["norm_eps"], offset)
-        self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
+        if experts:
+            self.mlp = MixtureOfExperts(d_model, o["experts"], o["act"])
+            self.PROJECTIONS = self.PROJECTIONS[:2] + tuple(
+                f"mlp.experts.{e}.{p}" for e in range(len(self.mlp.experts)) for p in ("gate_up", "down"))
+        else:
+            self.mlp = MLP(d_model, o["d_ff"], o["act"], o["mlp_bias"])
         sandwich = o.get("sandwich_norms", False)
         self.post_attn_norm = RMSNorm(d_model, o["norm_eps"], offset) if sandwich else None
         self.post_mlp_norm = RMSNorm(d_model, o["norm_eps"], offset) if sandwich else None
@@ -264,7 +313,8 @@ class TransformerBlock(nn.Module):
         its Python path (never a fused call that would compute something else)."""
         a = self.attn
         used = {"sandwich_norms": self.post_attn_norm is not None, "norm_offset": self.attn_norm.offset is not None,
-                "attn_scale": a.scale is not None, "attn_softcap": a.softcap is not None, "local_rope": a.local_rope}
+                "attn_scale": a.scale is not None, "attn_softcap": a.softcap is not None, "local_rope": a.local_rope,
+                "experts": isinstance(self.mlp, MixtureOfExperts)}
         return [name for name, on in used.items() if on]
 
     def fusable(self, x: torch.Tensor, ctx) -> bool:

@@ -33,6 +33,17 @@ class GGUFArchitecture:
     permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows for its rotary layout
     norm_offset: float = 0.0  # llama.cpp's converter stored each norm weight plus this: subtracted on read
     layer_prefix: str = "model.layers"
+    expert_names: dict = field(default_factory=dict)  # GGUF stem within blk.N of a tensor stacking the layer's
+    # experts -> the Hugging Face stem of one expert's, "{e}" standing for its index (families/moe.py)
+
+    def expert_name(self, name: str) -> str | None:
+        """The Hugging Face name of one expert's share of a GGUF tensor that stacks a layer's experts, "{e}"
+        standing for the expert; None for any other tensor."""
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in self.expert_names:
+            return f"{self.layer_prefix}.{parts[1]}.{self.expert_names[parts[2]]}.{suffix}"
+        return None
 
     def hf_name(self, name: str) -> str:
         """The Hugging Face checkpoint name of a GGUF tensor name; unknown names stay as they are."""

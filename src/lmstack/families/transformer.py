@@ -220,13 +220,14 @@ def windows_of_types(f: Fields, n_layers: int, window: int | None) -> tuple:
     return tuple(out)
 
 
-def gguf_config(file, model_type: str) -> dict:
+def gguf_config(file, model_type: str, experts: bool = False) -> dict:
     """The config.json a Hugging Face checkpoint of a GGUF file's model would carry, from llama.cpp's metadata
-    keys (`{arch}.` prefixed) as every Llama-like architecture writes them."""
+    keys (`{arch}.` prefixed) as every Llama-like architecture writes them; `experts`: the family reads the
+    mixture's own keys (families/moe.py), else an expert_count is refused."""
     if "rope_freqs.weight" in file:
         raise UnsupportedModel(f"{file.path}: tensor 'rope_freqs.weight' (rotary frequencies stored as "
                                f"a tensor, as for Llama 3.1 scaling) is not supported")
-    if file.get("{arch}.expert_count", 0):
+    if not experts and file.get("{arch}.expert_count", 0):
         raise UnsupportedModel(f"{file.path}: {file.arch}.expert_count = {file.get('{arch}.expert_count')} "
                                f"(mixture of experts) is not supported")
     for key in ("head_count", "head_count_kv"):
