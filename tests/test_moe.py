@@ -48,6 +48,8 @@ def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
 @pytest.mark.parametrize("changes, error, words", [
     (dict(model_type="qwen2_moe"), UnsupportedModel, "shared experts"),
     (dict(model_type="deepseek_v3"), UnsupportedModel, "shared experts"),
+    (dict(model_type="olmoe"), UnsupportedModel, "span all heads"),
+    (dict(layer_types=["full_attention"] * 6), UnsupportedModel, "layer_types"),
     (dict(num_local_experts=4), ConfigError, "num_local_experts"),  # disagrees with num_experts
     (dict(num_experts_per_tok=9), ConfigError, "num_experts_per_tok"),
     (dict(mlp_only_layers=[6]), ConfigError, "mlp_only_layers"),
