@@ -314,6 +314,12 @@ def test_info_shows_the_experts(tiny_checkpoint):
     for words in ("qwen3_moe (transformer)", "experts: top 2 of 4 (d_ff 32) on 3 of 4 layers",
                   "not renormalized", "qk_norm True"):
         assert words in text, (words, out)
+    lm = CausalLM.load(path, device="cpu")
+    weights = lm.parameters()
+    total = sum(w.numel() for w in weights.values())
+    idle = sum(w.numel() for name, w in weights.items() if ".experts." in name) // 2  # 2 of each layer's 4 experts
+    assert f"{total / 1e6:.1f}M parameters" in text
+    assert f"a token reads {(total - idle) / 1e6:.1f}M of them ({100 * (total - idle) / total:.0f}%)" in text
 
 
 @pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")

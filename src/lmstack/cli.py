@@ -347,10 +347,18 @@ def _info(args):
     with source:
         used = dict.fromkeys(plan.weight_names())
         infos = {name: source.info(name) for name in used if name in source}
-        stored = sum(source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
-                     for name, info in infos.items())
+        stored_bytes = {name: source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
+                        for name, info in infos.items()}
+        stored = sum(stored_bytes.values())
         unused = sorted(set(source.names()) - set(used))
     params = sum(math.prod(info.shape) for info in infos.values())
+    per_token = ""
+    if any(plan.layer_experts):  # a token reads top_k of each mixture's experts (all stored alike)
+        e, experts = o["experts"], [name for name in infos if ".experts." in name]
+        idle = 1 - e["top_k"] / e["n_experts"]
+        active = params - idle * sum(math.prod(infos[n].shape) for n in experts)
+        per_token = (f"; a token reads {active / 1e6:.1f}M of them ({100 * active / params:.0f}%), "
+                     f"{_size(int(stored - idle * sum(stored_bytes[n] for n in experts)))} as stored")
     types = ", ".join(f"{t} x{n}" for t, n in Counter(info.dtype for info in infos.values()).most_common())
     windows = sorted({w for w in plan.layer_windows if w is not None})
     honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + " ".join(
@@ -369,7 +377,7 @@ def _info(args):
         ("context", f"{plan.max_position_embeddings or 'unbounded'} positions"),
         ("options", ", ".join(honored)),
         ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored ({types}); "
-                    f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16"),
+                    f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16{per_token}"),
         ("unused", ", ".join(unused) if unused else "none"),
     ]
     width = max(40, shutil.get_terminal_size().columns)
