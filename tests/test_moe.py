@@ -157,10 +157,11 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 
 
-def write_moe_gguf(path, reference, qtype=Q.F32) -> dict:
+def write_moe_gguf(path, reference, qtype=Q.F32, per_expert=False) -> dict:
     """A transformers mixture written as llama.cpp's converter writes it: qwen3moe, or Mixtral as architecture llama
-    with an expert_count (q/k rows permuted); each layer's experts stacked (experts, out, in) in ffn_*_exps, 2-D
-    and 3-D weights in `qtype` (the router F32). Returns {transformers name: float32 tensor the file holds}."""
+    with an expert_count (q/k rows permuted); each layer's experts stacked (experts, out, in) in ffn_*_exps (with
+    `per_expert`, as older converters wrote Mixtral: one blk.N.ffn_gate.E tensor an expert), 2-D and 3-D weights in
+    `qtype` (the router F32). Returns {transformers name: float32 tensor the file holds}."""
     c = reference.config
     mixtral = c.model_type == "mixtral"
     writer = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
@@ -207,7 +208,12 @@ def write_moe_gguf(path, reference, qtype=Q.F32) -> dict:
             kind = qtype if part.ndim >= 2 and stem != "ffn_gate_inp" else Q.F32
             data = quantize(np.ascontiguousarray(part), kind)
             gguf_name = f"blk.{name.split('.')[2]}.{stem}.weight" if name.startswith("model.layers.") else f"{stem}.weight"
-            writer.add_tensor(gguf_name, data, raw_dtype=kind if kind != Q.F32 else None)
+            if per_expert and stem.endswith("_exps"):
+                for e in range(data.shape[0]):
+                    writer.add_tensor(gguf_name.replace("_exps.", f".{e}."), data[e],
+                                      raw_dtype=kind if kind != Q.F32 else None)
+            else:
+                writer.add_tensor(gguf_name, data, raw_dtype=kind if kind != Q.F32 else None)
             stored.append(torch.from_numpy(np.array(dequantize(data, kind), dtype=np.float32).reshape(part.shape)))
         value = torch.cat(stored, dim=1) if len(stored) == 2 else stored[0]
         if mixtral and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -248,6 +254,20 @@ def test_gguf_with_stacked_experts_matches_transformers(tiny_checkpoint, tmp_pat
     delta = worst_delta(lm.forward(IDS), expected)
     print(f"{name} {qtype.name} as {weight_format}: worst |delta logit| / scale = {delta:.2e}")
     assert delta <= 1e-4
+
+
+@pytest.mark.parametrize("weight_format", ["float32", "gguf"])
+def test_a_gguf_with_one_tensor_an_expert_loads_as_the_stacked_one(tiny_checkpoint, tmp_path, weight_format):
+    """Mixtral GGUFs of older converters hold blk.N.ffn_gate.E tensors: the same experts, the same logits."""
+    _, reference = tiny_checkpoint("mixtral")
+    write_moe_gguf(tmp_path / "stacked.gguf", reference, Q.Q8_0)
+    write_moe_gguf(tmp_path / "split.gguf", reference, Q.Q8_0, per_expert=True)
+    with GGUFFile(tmp_path / "split.gguf") as source:
+        assert "blk.0.ffn_gate.3.weight" in source.tensors
+    stacked, split = (CausalLM.load(tmp_path / f"{n}.gguf", weight_format=weight_format, device="cpu")
+                      for n in ("stacked", "split"))
+    assert split.unused_names == []
+    assert torch.equal(split.forward(IDS), stacked.forward(IDS))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
