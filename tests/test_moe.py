@@ -355,3 +355,11 @@ def test_a_tokens_mixture_output_does_not_depend_on_its_batch_mates(tiny_checkpo
         together = mixture(x)
         alone = torch.cat([mixture(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
     assert torch.equal(together, alone)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
+def test_prompt_lookup_gives_a_mixtures_plain_tokens(tiny_checkpoint):
+    """Drafts checked in one forward route each token as its own step would: the same tokens as plain decoding."""
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    assert torch.equal(lm.generate(ids, 24, prompt_lookup=4), lm.generate(ids, 24))
