@@ -363,3 +363,16 @@ def test_prompt_lookup_gives_a_mixtures_plain_tokens(tiny_checkpoint):
     lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     assert torch.equal(lm.generate(ids, 24, prompt_lookup=4), lm.generate(ids, 24))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
+def test_a_mixtures_dense_layers_still_fuse_bit_equal_to_the_python(tiny_checkpoint, monkeypatch):
+    from test_fused_layer import decode_logits, fused_layers, stacked
+
+    from lmstack.blocks.transformer import TransformerBlock
+
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
+    got = decode_logits(lm, rows=2)
+    assert fused_layers(lm) == lm.plan.layer_experts.count(False) == 1 and not stacked(lm)
+    monkeypatch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)
+    assert torch.equal(got, decode_logits(lm, rows=2))
