@@ -39,6 +39,7 @@ def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert "model.layers.1.mlp.gate.weight" in names and "model.layers.1.mlp.experts.7.down_proj.weight" in names
     assert not any(".experts." in name for _, name, _ in plan.layer_weights(0))
     assert "model.layers.0.mlp.gate_proj.weight" in [name for _, name, _ in plan.layer_weights(0)]
+    assert not any(plan_for({**QWEN3_MOE, "num_experts": 0}).layer_experts)  # transformers: every layer dense
     mixtral = plan_for({**QWEN3_MOE, "model_type": "mixtral", "num_local_experts": 4})
     assert all(mixtral.layer_experts) and mixtral.block_options["experts"]["norm_topk_prob"]
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in [n for _, n, _ in mixtral.layer_weights(0)]

@@ -34,7 +34,7 @@ def plan(f: Fields, family: Family):
     n_experts = _n_experts(f, qwen)
     options["experts"] = dict(
         n_experts=n_experts,
-        top_k=f.int("num_experts_per_tok", 8 if qwen else 2, maximum=max(n_experts, 1)),
+        top_k=f.int("num_experts_per_tok", 8 if qwen else 2, maximum=n_experts) if n_experts else 0,  # 0: all dense
         d_ff=f.int("moe_intermediate_size", 768, maximum=MAX_WIDTH * 8) if qwen else options["d_ff"],
         norm_topk_prob=f.bool("norm_topk_prob", False) if qwen else True,
         float32_weights=not qwen,
