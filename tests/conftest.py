@@ -57,14 +57,16 @@ VARIANTS = {
         rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=50000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=500.0)}),
                            dict(legacy_gemma3=True)),
-    # mixtures of experts: top 2 of 4 without renormalizing, every other layer a mixture and layer 2 dense by
-    # mlp_only_layers; top 3 of 6 renormalized; Mixtral's top 2 of 4 with a sliding window
+    # mixtures of experts: top 2 of 4 without renormalizing, layer 2 dense by mlp_only_layers; top 3 of 6
+    # renormalized in every other layer, every layer sliding (transformers' Qwen3-MoE reads no max_window_layers);
+    # Mixtral's top 2 of 4 with a sliding window
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, num_hidden_layers=4, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                                          mlp_only_layers=[2]), {}),
     "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_key_value_heads=1, head_dim=8, num_hidden_layers=3, num_experts=6,
                                               num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True,
-                                              decoder_sparse_step=2), {}),
+                                              decoder_sparse_step=2, use_sliding_window=True, sliding_window=5,
+                                              max_window_layers=2), {}),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=6), {}),
 }

@@ -39,6 +39,7 @@ def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert "model.layers.1.mlp.gate.weight" in names and "model.layers.1.mlp.experts.7.down_proj.weight" in names
     assert not any(".experts." in name for _, name, _ in plan.layer_weights(0))
     assert "model.layers.0.mlp.gate_proj.weight" in [name for _, name, _ in plan.layer_weights(0)]
+    assert not any(plan_for({**QWEN3_MOE, "num_experts": 0}).layer_experts)  # transformers: every layer dense
     mixtral = plan_for({**QWEN3_MOE, "model_type": "mixtral", "num_local_experts": 4})
     assert all(mixtral.layer_experts) and mixtral.block_options["experts"]["norm_topk_prob"]
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in [n for _, n, _ in mixtral.layer_weights(0)]
@@ -48,6 +49,8 @@ def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
 @pytest.mark.parametrize("changes, error, words", [
     (dict(model_type="qwen2_moe"), UnsupportedModel, "shared experts"),
     (dict(model_type="deepseek_v3"), UnsupportedModel, "shared experts"),
+    (dict(model_type="olmoe"), UnsupportedModel, "span all heads"),
+    (dict(layer_types=["full_attention"] * 6), UnsupportedModel, "layer_types"),
     (dict(num_local_experts=4), ConfigError, "num_local_experts"),  # disagrees with num_experts
     (dict(num_experts_per_tok=9), ConfigError, "num_experts_per_tok"),
     (dict(mlp_only_layers=[6]), ConfigError, "mlp_only_layers"),
@@ -155,10 +158,11 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 
 
-def write_moe_gguf(path, reference, qtype=Q.F32) -> dict:
+def write_moe_gguf(path, reference, qtype=Q.F32, per_expert=False) -> dict:
     """A transformers mixture written as llama.cpp's converter writes it: qwen3moe, or Mixtral as architecture llama
-    with an expert_count (q/k rows permuted); each layer's experts stacked (experts, out, in) in ffn_*_exps, 2-D
-    and 3-D weights in `qtype` (the router F32). Returns {transformers name: float32 tensor the file holds}."""
+    with an expert_count (q/k rows permuted); each layer's experts stacked (experts, out, in) in ffn_*_exps (with
+    `per_expert`, as older converters wrote Mixtral: one blk.N.ffn_gate.E tensor an expert), 2-D and 3-D weights in
+    `qtype` (the router F32). Returns {transformers name: float32 tensor the file holds}."""
     c = reference.config
     mixtral = c.model_type == "mixtral"
     writer = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
@@ -205,7 +209,12 @@ def write_moe_gguf(path, reference, qtype=Q.F32) -> dict:
             kind = qtype if part.ndim >= 2 and stem != "ffn_gate_inp" else Q.F32
             data = quantize(np.ascontiguousarray(part), kind)
             gguf_name = f"blk.{name.split('.')[2]}.{stem}.weight" if name.startswith("model.layers.") else f"{stem}.weight"
-            writer.add_tensor(gguf_name, data, raw_dtype=kind if kind != Q.F32 else None)
+            if per_expert and stem.endswith("_exps"):
+                for e in range(data.shape[0]):
+                    writer.add_tensor(gguf_name.replace("_exps.", f".{e}."), data[e],
+                                      raw_dtype=kind if kind != Q.F32 else None)
+            else:
+                writer.add_tensor(gguf_name, data, raw_dtype=kind if kind != Q.F32 else None)
             stored.append(torch.from_numpy(np.array(dequantize(data, kind), dtype=np.float32).reshape(part.shape)))
         value = torch.cat(stored, dim=1) if len(stored) == 2 else stored[0]
         if mixtral and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -246,6 +255,20 @@ def test_gguf_with_stacked_experts_matches_transformers(tiny_checkpoint, tmp_pat
     delta = worst_delta(lm.forward(IDS), expected)
     print(f"{name} {qtype.name} as {weight_format}: worst |delta logit| / scale = {delta:.2e}")
     assert delta <= 1e-4
+
+
+@pytest.mark.parametrize("weight_format", ["float32", "gguf"])
+def test_a_gguf_with_one_tensor_an_expert_loads_as_the_stacked_one(tiny_checkpoint, tmp_path, weight_format):
+    """Mixtral GGUFs of older converters hold blk.N.ffn_gate.E tensors: the same experts, the same logits."""
+    _, reference = tiny_checkpoint("mixtral")
+    write_moe_gguf(tmp_path / "stacked.gguf", reference, Q.Q8_0)
+    write_moe_gguf(tmp_path / "split.gguf", reference, Q.Q8_0, per_expert=True)
+    with GGUFFile(tmp_path / "split.gguf") as source:
+        assert "blk.0.ffn_gate.3.weight" in source.tensors
+    stacked, split = (CausalLM.load(tmp_path / f"{n}.gguf", weight_format=weight_format, device="cpu")
+                      for n in ("stacked", "split"))
+    assert split.unused_names == []
+    assert torch.equal(split.forward(IDS), stacked.forward(IDS))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
@@ -292,10 +315,10 @@ def test_convert_writes_a_mixture_transformers_loads(tiny_checkpoint, tmp_path, 
     assert worst_delta(lm.forward(IDS), expected) <= 1e-4
 
 
-def test_a_stacked_experts_tensor_of_the_wrong_rank_is_refused_by_name(tiny_checkpoint, tmp_path):
-    _, reference = tiny_checkpoint("qwen3_moe_norm")
+@pytest.mark.parametrize("shape", [(4, 32), (5000, 1, 32)], ids=["2-D", "5000 experts"])
+def test_a_stacked_experts_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path, shape):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
-    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -312,6 +335,12 @@ def test_info_shows_the_experts(tiny_checkpoint):
     for words in ("qwen3_moe (transformer)", "experts: top 2 of 4 (d_ff 32) on 3 of 4 layers",
                   "not renormalized", "qk_norm True"):
         assert words in text, (words, out)
+    lm = CausalLM.load(path, device="cpu")
+    weights = lm.parameters()
+    total = sum(w.numel() for w in weights.values())
+    idle = sum(w.numel() for name, w in weights.items() if ".experts." in name) // 2  # 2 of each layer's 4 experts
+    assert f"{total / 1e6:.1f}M parameters" in text
+    assert f"a token reads {(total - idle) / 1e6:.1f}M of them ({100 * (total - idle) / total:.0f}%)" in text
 
 
 @pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
@@ -327,3 +356,24 @@ def test_a_tokens_mixture_output_does_not_depend_on_its_batch_mates(tiny_checkpo
         together = mixture(x)
         alone = torch.cat([mixture(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
     assert torch.equal(together, alone)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="lmstack's CPU kernels do not run here")
+def test_prompt_lookup_gives_a_mixtures_plain_tokens(tiny_checkpoint):
+    """Drafts checked in one forward route each token as its own step would: the same tokens as plain decoding."""
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    assert torch.equal(lm.generate(ids, 24, prompt_lookup=4), lm.generate(ids, 24))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
+def test_a_mixtures_dense_layers_still_fuse_bit_equal_to_the_python(tiny_checkpoint, monkeypatch):
+    from test_fused_layer import decode_logits, fused_layers, stacked
+
+    from lmstack.blocks.transformer import TransformerBlock
+
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
+    got = decode_logits(lm, rows=2)
+    assert fused_layers(lm) == lm.plan.layer_experts.count(False) == 1 and not stacked(lm)
+    monkeypatch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)
+    assert torch.equal(got, decode_logits(lm, rows=2))

@@ -448,6 +448,13 @@ def _info(args):
         loaded = {name: _gguf_bytes(source, name) for name in infos} if weight_format == "gguf" else None
         unused = sorted(set(source.names()) - set(used))
     stored, params = sum(nbytes.values()), sum(math.prod(info.shape) for info in infos.values())
+    per_token = ""
+    if any(plan.layer_experts):  # a token reads top_k of each mixture's experts (all stored alike)
+        e, experts = o["experts"], [name for name in infos if ".experts." in name]
+        idle = 1 - e["top_k"] / e["n_experts"]
+        active = params - idle * sum(math.prod(infos[n].shape) for n in experts)
+        per_token = (f"; a token reads {active / 1e6:.1f}M of them ({100 * active / params:.0f}%), "
+                     f"{_size(int(stored - idle * sum(nbytes[n] for n in experts)))} as stored")
     by_type = Counter()
     for name, info in infos.items():
         by_type[info.dtype] += nbytes[name]
@@ -470,7 +477,7 @@ def _info(args):
         ("context", f"{plan.max_position_embeddings or 'unbounded'} positions"),
         ("options", ", ".join(honored)),
         ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored; "
-                    f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16"),
+                    f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16{per_token}"),
         ("types", types),
         ("loaded", _storage_cost(weight_format, infos, nbytes, loaded, params)),
         ("unused", ", ".join(unused) if unused else "none"),

@@ -53,6 +53,10 @@ class GGUFArchitecture:
         parts = stem.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in self.layer_names:
             return f"{self.layer_prefix}.{parts[1]}.{self.layer_names[parts[2]]}.{suffix}"
+        if (len(parts) == 4 and parts[0] == "blk" and f"{parts[2]}_exps" in self.expert_names
+                and parts[3].isascii() and parts[3].isdigit()):  # blk.N.ffn_gate.E: older files' one tensor an expert
+            expert = self.expert_names[f"{parts[2]}_exps"].replace("{e}", str(int(parts[3])))
+            return f"{self.layer_prefix}.{parts[1]}.{expert}.{suffix}"
         return name
 
 

@@ -3,19 +3,20 @@ stack whose MLP is, in some layers or all, a MixtureOfExperts (blocks/transforme
 
 - Qwen3-MoE: q/k norms; the softmax over all experts, the top num_experts_per_tok, renormalized where
   norm_topk_prob; layer i is a mixture unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0, when
-  it is a dense MLP of intermediate_size; experts of moe_intermediate_size; sliding windows as Qwen 3's.
+  it is a dense MLP of intermediate_size; experts of moe_intermediate_size; sliding_window in every layer where
+  use_sliding_window (max_window_layers is not read, as transformers does not).
 - Mixtral: the top num_experts_per_tok (2) of num_local_experts (8), renormalized, the weights kept in float32;
   experts of intermediate_size; one sliding window in every layer where it is set.
 
 Checkpoints name each expert's projections (`mlp.experts.N.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.N.w1.weight`), which transformers 5's save_pretrained writes too. GGUF stacks a layer's
 experts in one tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps), which gguf.py reads an expert at a time.
-Shared experts (Qwen2-MoE, DeepSeek) are refused by name.
+Shared experts (Qwen2-MoE, DeepSeek) and OLMoE (q/k norms over all heads at once) are refused by name.
 """
 
 import dataclasses
 
-from ..config import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, UnsupportedModel, shown
+from ..config import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, UnsupportedModel, shown
 from . import transformer
 from .base import Family, Fields, GGUFArchitecture
 
@@ -33,19 +34,30 @@ def plan(f: Fields, family: Family):
     n_experts = _n_experts(f, qwen)
     options["experts"] = dict(
         n_experts=n_experts,
-        top_k=f.int("num_experts_per_tok", 8 if qwen else 2, maximum=max(n_experts, 1)),
+        top_k=f.int("num_experts_per_tok", 8 if qwen else 2, maximum=n_experts) if n_experts else 0,  # 0: all dense
         d_ff=f.int("moe_intermediate_size", 768, maximum=MAX_WIDTH * 8) if qwen else options["d_ff"],
         norm_topk_prob=f.bool("norm_topk_prob", False) if qwen else True,
         float32_weights=not qwen,
     )
     layers = _mixture_layers(f, n_layers, n_experts) if qwen else (True,) * n_layers
-    base = transformer.make_plan(f, family, options, n_layers, transformer.layer_windows(f, family, n_layers),
-                                 layer_experts=layers)
+    base = transformer.make_plan(f, family, options, n_layers, _windows(f, family, n_layers), layer_experts=layers)
     names = NAMES[f.model_type]
     tensors = tuple(
         tuple(t for t in base.layer_tensors[i] if not t[0].startswith("mlp.")) + expert_tensors(options, i, names)
         if layers[i] else base.layer_tensors[i] for i in range(n_layers))
     return dataclasses.replace(base, layer_tensors=tensors)
+
+
+def _windows(f: Fields, family: Family, n_layers: int) -> tuple:
+    """Mixtral slides sliding_window in every layer; transformers' Qwen3-MoE too, where use_sliding_window (unlike
+    Qwen 3, it reads no max_window_layers or layer_types)."""
+    if f.model_type == "mixtral":
+        return transformer.layer_windows(f, family, n_layers)
+    if f.cfg.get("layer_types") is not None:
+        raise f.refuse("layer_types", f.cfg["layer_types"], "transformers' Qwen3-MoE slides every layer or none "
+                       "(use_sliding_window)")
+    window = f.optional_int("sliding_window", maximum=MAX_POSITIONS)
+    return (window if f.bool("use_sliding_window", False) else None,) * n_layers
 
 
 def _n_experts(f: Fields, qwen: bool) -> int:
@@ -88,12 +100,19 @@ def _refuse_shared_experts(f: Fields, family: Family):
         f"routed ones (lmstack runs the mixtures of qwen3_moe and mixtral)")
 
 
+def _refuse_olmoe(f: Fields, family: Family):
+    raise UnsupportedModel(
+        f"{f.where}model_type {shown(f.model_type)} is not supported: its q/k RMSNorms span all heads at once "
+        f"(lmstack's normalize each head, as Qwen 3's)")
+
+
 FAMILIES = {
-    "qwen3_moe": Family(kind="transformer", plan=plan, qk_norm=True, window="per_layer"),
+    "qwen3_moe": Family(kind="transformer", plan=plan, qk_norm=True),
     "mixtral": Family(kind="transformer", plan=plan, qkv_bias=False, o_bias=False, window="all"),
     "qwen2_moe": Family(kind="transformer", plan=_refuse_shared_experts),
     "deepseek_v2": Family(kind="transformer", plan=_refuse_shared_experts),
     "deepseek_v3": Family(kind="transformer", plan=_refuse_shared_experts),
+    "olmoe": Family(kind="transformer", plan=_refuse_olmoe),
 }
 
 # llama.cpp's names of a layer's router and stacked experts -> Hugging Face's ("{e}": the expert)
