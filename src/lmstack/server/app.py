@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -466,7 +467,7 @@ class _EventStream(StreamingResponse):
                         log.warning("%s: cut off, its stream unread for %g s with the send buffer full",
                                     self.record.client, self.service.send_timeout)
                         if transport is not None:
-                            transport.abort()
+                            _reset(transport)
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -487,6 +488,14 @@ class _App(Starlette):
     async def __call__(self, scope, receive, send):
         scope["lmstack.transport"] = getattr(getattr(send, "__self__", None), "transport", None)
         await super().__call__(scope, receive, send)
+
+
+def _reset(transport):
+    """Drop the connection at once: a reset, so the kernel does not keep sending the unread buffer either."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _bound_buffers(transport, size: int):
