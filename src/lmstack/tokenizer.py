@@ -8,8 +8,8 @@ refused by name rather than silently dropped.
 
 import json
 import math
-import random
 import re
+import secrets
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -432,7 +432,7 @@ class _InertSpecials:
 
     def __init__(self, texts: list[str]):
         self.texts, self.index = texts, {text: k for k, text in enumerate(texts)}
-        self.nonce = str(random.randrange(10**15, 10**16))
+        self.nonce = str(10**15 + secrets.randbelow(9 * 10**15))  # digits: a template's |upper leaves them be
         self.find = re.compile("|".join(map(re.escape, texts))) if texts else None
         self.stand_in = re.compile(f"\ue000{self.nonce}(\\d+)\ue001")
 

@@ -82,9 +82,10 @@ class Service:
     def public(self, message: str) -> str:
         """`message` fit for a client: the tokenizer's file named by the served model, other server paths hidden."""
         source = getattr(self.tokenizer, "source", None)
-        if source and Path(source).is_absolute():
+        if source:
             message = message.replace(source, f"model {self.name!r}")
-            message = message.replace(str(Path(source).parent), "<model directory>")
+            if (directory := str(Path(source).parent)) not in (".", "/"):
+                message = message.replace(directory, "<model directory>")
         for path in _SERVER_PATHS:
             message = message.replace(path, "<server path>")
         return message
@@ -147,8 +148,8 @@ class Service:
             self.tbt.observe(gap)
 
 
-_SERVER_PATHS = tuple(sorted({str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix, str(Path.home())},
-                             key=len, reverse=True))
+_SERVER_PATHS = tuple(sorted({path for path in (str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix,
+                                               str(Path.home())) if len(path) > 1}, key=len, reverse=True))
 
 
 class _EngineCollector:
