@@ -21,6 +21,7 @@ waiting, /metrics must show every KV block free.
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import random
@@ -246,7 +247,6 @@ def main():
     process = subprocess.Popen(command, env=env, stderr=log)
     model = args.model or "smollm2"
     try:
-        import http.client
         deadline = time.monotonic() + 600
         while True:
             assert process.poll() is None, f"lmstack serve exited (log: {log.name})"

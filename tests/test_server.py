@@ -413,6 +413,46 @@ def test_a_client_that_does_not_read_is_cut_off(model):
     assert service.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_raw_socket_that_does_not_read_is_cut_off_by_uvicorn(model):
+    """The same through uvicorn and a real socket with a small receive buffer, read only after the cut."""
+    lm, _ = model
+    service = start(model, max_running=1, send_buffer=4096, send_timeout=0.5)
+    handles = spy_on_requests(service)
+    forward = lm.forward_paged
+
+    def slow_forward(*args, **kwargs):  # the stream (about 50 kB in all) outlasts buffers of about 20 kB
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    lm.forward_paged = slow_forward
+    try:
+        with running(service) as url:
+            host, port = url.removeprefix("http://").split(":")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            body = json.dumps({"model": NAME, "prompt": "Go on", "max_tokens": CONTEXT - 10, "stream": True,
+                               "ignore_eos": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 60
+            while not handles or handles[0].finish_reason is None:
+                assert time.monotonic() < deadline, "the unread stream was not cut off"
+                time.sleep(0.05)
+            assert handles[0].finish_reason == "abort" and handles[0].completion_tokens < CONTEXT - 10
+            received, reset = b"", False
+            try:
+                while chunk := sock.recv(1 << 16):
+                    received += chunk
+            except ConnectionResetError:
+                reset = True
+            assert reset and b"data: [DONE]" not in received
+            sock.close()
+            assert _metric(raw(url, "GET", "/metrics")[2], "lmstack_clients_cut_off_total") == 1
+    finally:
+        lm.forward_paged = forward
+
+
 def _metric(text: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 

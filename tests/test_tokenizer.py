@@ -224,6 +224,24 @@ def test_encode_chat_keeps_names_and_tool_arguments_ordinary_text(tmp_path):
     assert (ids.count(start), ids.count(end), ids.count(reference("smollm2").token_to_id("<|endoftext|>"))) == (2, 2, 0)
 
 
+def test_encode_chat_catches_control_tokens_spelled_through_the_normalizer(tmp_path):
+    """An added token matched after normalization (NFKC makes "＜x＞" "<x>") is found as the tokenizer finds it."""
+    tok = tokenizers.Tokenizer(models.BPE({c: b for b, c in enumerate(BYTE_CHARS)}, []))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken("<x>", special=True, normalized=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}<x>{{ m.content }}{% endfor %}<x>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    conversation = [{"role": "user", "content": "a＜x＞b"}]
+    special = tok.token_to_id("<x>")
+    assert tok.encode("a＜x＞b").ids.count(special) == 1  # tokenizers would take it for the control token
+    tok.encode_special_tokens = True
+    ids = Tokenizer.from_pretrained(tmp_path).encode_chat(conversation)
+    assert ids == [special, *tok.encode("a＜x＞b").ids, special]
+
+
 def test_template_variables_equal_transformers(tmp_path):
     template = ("{{ bos_token }}{% set ns = namespace(n=0) %}\n{% for m in messages %}\n"
                 "    {% if loop.index > 2 %}{% break %}{% endif %}\n"

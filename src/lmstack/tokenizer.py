@@ -8,8 +8,8 @@ refused by name rather than silently dropped.
 
 import json
 import math
-import random
 import re
+import secrets
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -236,7 +236,6 @@ class Tokenizer:
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
         self.n_vocab = vocab[top] + 1
         self._added_ids = {i: token.content for i, token in self._special.get_added_tokens_decoder().items()}
-        self._added_texts = sorted(set(self._added_ids.values()), key=len, reverse=True)
         self._kind = type(self._special.model).__name__
         self.pattern, self._bytes, self._missing = None, None, b""
         if self._kind == "BPE" and _byte_level(spec.get("pre_tokenizer")) and _byte_level(spec.get("decoder")):
@@ -345,7 +344,7 @@ class Tokenizer:
         if allow_special_in_messages:
             return self.encode(render(messages, tools=tools, documents=documents), add_special_tokens=False,
                                allow_special=True)
-        inert = _InertSpecials(self._added_texts)
+        inert = _InertSpecials(self)
         prompt = render(inert.of(chat._as_data(messages)), tools=inert.of(chat._as_data(tools)),
                         documents=inert.of(chat._as_data(documents)))
         with self._library():
@@ -427,25 +426,35 @@ def _short(error: BaseException, limit: int = 120) -> str:
 
 
 class _InertSpecials:
-    """Stand-ins for the special tokens' texts in a conversation's strings, which the template's markup cannot
-    contain: private-use characters around a random number and the text's index, put back after rendering."""
+    """Stand-ins for what a conversation's strings spell of added tokens, as the tokenizer itself matches them
+    (normalized, stripped): private-use characters around a random number and the index of the text they stand
+    for, which the template's markup cannot contain and which are put back after rendering."""
 
-    def __init__(self, texts: list[str]):
-        self.texts, self.index = texts, {text: k for k, text in enumerate(texts)}
-        self.nonce = str(random.randrange(10**15, 10**16))
-        self.find = re.compile("|".join(map(re.escape, texts))) if texts else None
+    def __init__(self, tokenizer: "Tokenizer"):
+        self.tokenizer, self.texts = tokenizer, []
+        self.nonce = str(10**15 + secrets.randbelow(9 * 10**15))  # digits: a template's |upper leaves them be
         self.stand_in = re.compile(f"\ue000{self.nonce}(\\d+)\ue001")
 
     def of(self, value):
-        """value with every special token's text in its strings (not its keys) replaced by a stand-in."""
+        """value with every added token its strings (not its keys) spell replaced by a stand-in."""
         if isinstance(value, str):
-            return self.find.sub(lambda m: f"\ue000{self.nonce}{self.index[m.group()]}\ue001", value) \
-                if self.find is not None else value
+            return self._inert(value) if value and self.tokenizer._added_ids else value
         if isinstance(value, dict):
             return {key: self.of(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(self.of(item) for item in value)
         return value
+
+    def _inert(self, text: str) -> str:
+        with self.tokenizer._library():
+            encoding = self.tokenizer._special.encode(text, add_special_tokens=False)
+        pieces, start = [], 0
+        for i, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if i in self.tokenizer._added_ids and begin < end:
+                pieces += [text[start:begin], f"\ue000{self.nonce}{len(self.texts)}\ue001"]
+                self.texts.append(text[begin:end])
+                start = end
+        return "".join(pieces) + text[start:]
 
     def restore(self, text: str) -> str:
         text = self.stand_in.sub(lambda m: self.texts[int(m.group(1))], text)

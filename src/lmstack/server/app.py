@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -81,9 +82,10 @@ class Service:
     def public(self, message: str) -> str:
         """`message` fit for a client: the tokenizer's file named by the served model, other server paths hidden."""
         source = getattr(self.tokenizer, "source", None)
-        if source and Path(source).is_absolute():
+        if source:
             message = message.replace(source, f"model {self.name!r}")
-            message = message.replace(str(Path(source).parent), "<model directory>")
+            if (directory := str(Path(source).parent)) not in (".", "/"):
+                message = message.replace(directory, "<model directory>")
         for path in _SERVER_PATHS:
             message = message.replace(path, "<server path>")
         return message
@@ -146,8 +148,8 @@ class Service:
             self.tbt.observe(gap)
 
 
-_SERVER_PATHS = tuple(sorted({str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix, str(Path.home())},
-                             key=len, reverse=True))
+_SERVER_PATHS = tuple(sorted({path for path in (str(Path(__file__).parents[1]), sys.prefix, sys.base_prefix,
+                                               str(Path.home())) if len(path) > 1}, key=len, reverse=True))
 
 
 class _EngineCollector:
@@ -466,7 +468,7 @@ class _EventStream(StreamingResponse):
                         log.warning("%s: cut off, its stream unread for %g s with the send buffer full",
                                     self.record.client, self.service.send_timeout)
                         if transport is not None:
-                            transport.abort()
+                            _reset(transport)
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -487,6 +489,14 @@ class _App(Starlette):
     async def __call__(self, scope, receive, send):
         scope["lmstack.transport"] = getattr(getattr(send, "__self__", None), "transport", None)
         await super().__call__(scope, receive, send)
+
+
+def _reset(transport):
+    """Drop the connection at once: a reset, so the kernel does not keep sending the unread buffer either."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _bound_buffers(transport, size: int):
