@@ -1,7 +1,7 @@
 """Choosing the next token, and the text a generation shows as it goes.
 
-`Sampler` turns logits into tokens (greedy by default; repetition penalty, temperature, top-k,
-top-p, min-p applied in the order transformers applies them). `TextStream` turns a growing list of
+`Sampler` turns processed logits into tokens (greedy by default; temperature, top-k, top-p, min-p applied
+in the order transformers applies them; decoding.Decoder applies the penalties before it). `TextStream` turns a growing list of
 tokens into text pieces that never split a UTF-8 character and never show the start of a stop
 string before it is known not to be one. `stream_text` and `generate_text` put them around
 `CausalLM.stream` for prompts given as text.
@@ -67,23 +67,15 @@ class Sampler:
             generator.manual_seed(self.seed)
         return generator
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None, generator) -> torch.Tensor:
-        """Next tokens (B,) from logits (B, vocab); `seen` (B, vocab) marks the tokens the penalty applies to."""
+    def draw(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        """Next tokens (B,) from processed float32 logits (B, vocab) (decoding.Decoder applies the penalties)."""
         if self.greedy:
-            return self.penalize(logits.float(), seen).argmax(-1)  # float32: as transformers, and faster
-        probs = self.filter(logits, seen).softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            return logits.argmax(-1)
+        return torch.multinomial(self.warp(logits).softmax(-1), 1, generator=generator)[:, 0]
 
-    def penalize(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
-        """The repetition penalty: seen tokens' positive logits divided by it, negative ones multiplied."""
-        if seen is None or self.repetition_penalty == 1:
-            return logits
-        penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
-        return torch.where(seen, penalized, logits)
-
-    def filter(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 logits sampling draws from: penalized, tempered, and -inf outside top-k/top-p/min-p."""
-        logits = self.penalize(logits.float(), seen) / self.temperature
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from: tempered, and -inf outside top-k/top-p/min-p."""
+        logits = logits / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)

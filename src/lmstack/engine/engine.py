@@ -9,6 +9,7 @@ import time
 import torch
 
 from .. import memory
+from ..decoding import Decoder
 from ..sampling import Sampler, TextStream
 from ..threads import Threads, release_team
 from .kv_cache import BlockPool
@@ -50,8 +51,8 @@ def _positive_int(name: str, value):
 class Handle:
     """One request: iterate it (sync or async) for its token ids as they are made."""
 
-    def __init__(self, engine, seq: Seq, max_tokens: int, sampler: Sampler, penalties: tuple, eos: frozenset,
-                 text: TextStream | None):
+    def __init__(self, engine, seq: Seq, max_tokens: int, decoder: Decoder, eos: frozenset, text: TextStream | None,
+                 logprobs: int | None = None):
         self._engine, self._seq = engine, seq
         self.prompt_tokens, self.max_tokens = seq.n_prompt, max_tokens
         self.tokens: list[int] = []  # the completion's token ids
@@ -60,8 +61,8 @@ class Handle:
         self.error: EngineError | None = None
         self.created = time.monotonic()
         self.token_times: list[float] = []  # time.monotonic() at each token
-        self._sampler, self._generator = sampler, sampler.generator(engine.model.device)
-        self._presence, self._frequency = penalties
+        self.logprobs: list[tuple] | None = [] if logprobs is not None else None  # per token: (logprob, top)
+        self._decoder, self._top = decoder, logprobs
         self._eos, self._text = eos, text
         self._cond = threading.Condition()
         self._waiters: list = []  # (loop, future) of async iterators waiting for the next token
@@ -150,22 +151,25 @@ class Handle:
 
     # ---- engine side -------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor) -> int:
-        logits, seen = logits[None], None
-        if self._presence or self._frequency:  # over the completion, as OpenAI's API defines them
-            made = torch.tensor(self.tokens, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(made, minlength=logits.shape[-1])[None].float()
-            logits = logits - self._presence * (counts > 0) - self._frequency * counts
-        if self._sampler.repetition_penalty != 1:  # over the prompt and the completion, as transformers does
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen[0, torch.tensor(self._seq.tokens, device=logits.device)] = True
-        return int(self._sampler(logits, seen, self._generator))
+    def _sample(self, logits: torch.Tensor) -> tuple[int, bool]:
+        """The next token through the request's decoder, and whether its constraint is now complete."""
+        token = int(self._decoder.choose(logits[None])[0])
+        if self.logprobs is not None:
+            logprobs = self._decoder.logprobs()[0]
+            top = logprobs.topk(self._top) if self._top else None
+            self.logprobs.append((float(logprobs[token]), [] if top is None else
+                                  list(zip(top.indices.tolist(), top.values.tolist()))))
+        ended = self._decoder.ended
+        return token, bool(ended is not None and ended[0])
 
-    def _push(self, token: int) -> str | None:
-        """Record a token; the finish reason it brings, if any."""
+    def _push(self, token: int, ended: bool = False) -> str | None:
+        """Record a token (ended: its constraint is complete); the finish reason it brings, if any."""
         reason = None
         piece = ""
         if token in self._eos:
+            reason = "stop"
+        elif ended:
+            piece = self._text.push(token) if self._text is not None else ""
             reason = "stop"
         elif self._text is not None:
             piece = self._text.push(token)
@@ -296,8 +300,12 @@ class Engine:
 
     def add(self, prompt_ids, *, max_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-            eos_ids=None) -> Handle:
-        """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed)."""
+            eos_ids=None, constraint=None, logprobs: int | None = None) -> Handle:
+        """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed).
+
+        `constraint`: a grammar.Grammar its tokens must follow (it ends, "stop", when the grammar is complete).
+        `logprobs`: record each token's log-probability and that many top alternatives (handle.logprobs).
+        """
         if self._closed:
             raise EngineError("the engine is closed")
         prompt = self._check_prompt(prompt_ids)
@@ -322,14 +330,19 @@ class Engine:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(model, tokenizer))")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= self.model.vocab_size):
+            raise ValueError(f"logprobs must be an integer in [0, {self.model.vocab_size}], got {logprobs!r}")
         text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         eos = frozenset(self._eos_ids(eos_ids))
+        decoder = Decoder.build(sampler, [prompt], self.model.vocab_size, self.model.device,
+                                presence=presence_penalty, frequency=frequency_penalty, constraint=constraint)
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")
             seq = Seq(self._arrivals, prompt, len(prompt))
             self._arrivals += 1
-            handle = Handle(self, seq, max_tokens, sampler, (presence_penalty, frequency_penalty), eos, text)
+            handle = Handle(self, seq, max_tokens, decoder, eos, text, logprobs)
             self._incoming.append(handle)
             self._wake.notify_all()
         return handle
@@ -398,9 +411,9 @@ class Engine:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
         for seq, logits in results:
             handle = self._handles[seq]
-            token = handle._sample(logits)
+            token, ended = handle._sample(logits)
             seq.tokens.append(token)
-            reason = handle._push(token)
+            reason = handle._push(token, ended)
             if reason is not None:
                 self._end(handle, reason)
 
