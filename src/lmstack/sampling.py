@@ -141,15 +141,22 @@ def _eos(lm, tokenizer, eos_ids) -> tuple:
     return tuple(dict.fromkeys((*lm.eos_ids, *tokenizer.eos_ids))) if eos_ids is None else tuple(eos_ids)
 
 
-def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None,
-               **sampling) -> Iterator[list[str]]:
+def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None, json_schema=None,
+               regex=None, grammar=None, **sampling) -> Iterator[list[str]]:
     """Each step's text pieces, one per prompt (maybe empty), and last the text still held back.
 
-    Rows stop as `stream_text` says; prompts are text or token ids, of any lengths.
+    Rows stop as `stream_text` says; prompts are text or token ids, of any lengths. `json_schema` (a dict or
+    its JSON text), `regex` or `grammar` (Lark, llguidance's dialect) constrain the text: a row ends when it is
+    complete (grammar.py; a schema feature that cannot be enforced is a GrammarError).
     """
     ids = [tokenizer.encode(p) if isinstance(p, (str, bytes)) else list(p) for p in prompts]
     streams = [TextStream(tokenizer, stop) for _ in ids]
     eos = _eos(lm, tokenizer, eos_ids)
+    if json_schema is not None or regex is not None or grammar is not None:
+        from .grammar import compile
+
+        sampling["constraint"] = compile(tokenizer, lm.vocab_size, json_schema=json_schema, regex=regex,
+                                         lark=grammar, eos_ids=_eos(lm, tokenizer, None))
     pieces = []
 
     def until(tokens):
@@ -165,7 +172,8 @@ def stream_text(lm, tokenizer, prompt, max_new_tokens: int = 64, *, stop=(), eos
     """The continuation of one prompt (text, or token ids) in pieces, as they are made.
 
     It ends at one of `eos_ids` (default: the model's and the tokenizer's EOS ids; the EOS text is not
-    shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields.
+    shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields, and
+    json_schema, regex or grammar (see text_steps).
     """
     for (piece,) in text_steps(lm, tokenizer, [prompt], max_new_tokens, stop=stop, eos_ids=eos_ids, **sampling):
         if piece:
