@@ -411,7 +411,11 @@ class Engine:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
         for seq, logits in results:
             handle = self._handles[seq]
-            token, ended = handle._sample(logits)
+            try:
+                token, ended = handle._sample(logits)
+            except Exception as error:  # its own constraint failed: that request ends, the others go on
+                self._end(handle, "error", EngineError(f"choosing the next token failed: {error}"))
+                continue
             seq.tokens.append(token)
             reason = handle._push(token, ended)
             if reason is not None:
