@@ -63,7 +63,7 @@ class Handle:
         self.token_times: list[float] = []  # time.monotonic() at each token
         self.logprobs: list[tuple] | None = [] if logprobs is not None else None  # per token: (logprob, top)
         self._decoder, self._top = decoder, logprobs
-        self._eos, self._text = eos, text
+        self.eos, self._text = eos, text  # eos: the ids that end it (never shown as text)
         self._cond = threading.Condition()
         self._waiters: list = []  # (loop, future) of async iterators waiting for the next token
 
@@ -142,6 +142,14 @@ class Handle:
     def __aiter__(self):
         return self._aiterate(self.tokens)
 
+    async def atoken_ranges(self):
+        """For async for: (start, end) of the tokens made since the last range (all made meanwhile, if behind);
+        tokens[start:end], pieces[start:end] and logprobs[start:end] are theirs."""
+        start = 0
+        async for pieces in self._aiterate(self.pieces, together=True):
+            yield start, start + len(pieces)
+            start += len(pieces)
+
     async def atext_chunks(self):
         """For async for: the text released since the last chunk, so a caller that falls behind the engine (a
         server streaming to many clients) gets the pieces made meanwhile as one."""
@@ -166,7 +174,7 @@ class Handle:
         """Record a token (ended: its constraint is complete); the finish reason it brings, if any."""
         reason = None
         piece = ""
-        if token in self._eos:
+        if token in self.eos:
             reason = "stop"
         elif ended:
             piece = self._text.push(token) if self._text is not None else ""
