@@ -40,6 +40,12 @@ def _lark(text: str) -> str:
     return json.dumps(text)
 
 
+def _json(schema: dict) -> str:
+    """A Lark %json rule: compact (a weak model cannot pad it with whitespace forever), and strict (a keyword
+    llguidance cannot enforce is an error, as in grammar.compile)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False, 'lenient': False}})}"
+
+
 class Parser:
     name = ""
     trigger = ""  # the text that starts a call
@@ -94,7 +100,7 @@ class Hermes(Parser):
         return _content("".join(content)) if calls else text, calls
 
     def _block(self, tools) -> str:
-        return f'{_lark(self.trigger + chr(10))} %json {json.dumps(_call_schema(tools, "arguments"))} ' \
+        return f'{_lark(self.trigger + chr(10))} {_json(_call_schema(tools, "arguments"))} ' \
                f'{_lark(chr(10) + self.end)}'
 
     def required(self, tools, parallel):
@@ -126,14 +132,12 @@ class Llama3JSON(Parser):
         return None, calls
 
     def required(self, tools, parallel):
-        schema = json.dumps(_call_schema(tools, "parameters"))
         more = ' ("; " call)*' if parallel else ""
-        return f"start: call{more}\ncall: %json {schema}\n"
+        return f"start: call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
 
     def auto(self, tools, parallel):
-        schema = json.dumps(_call_schema(tools, "parameters"))
         more = ' ("; " call)*' if parallel else ""
-        return (f"start: TEXT | {_lark(self.trigger)}? call{more}\ncall: %json {schema}\n"
+        return (f"start: TEXT | {_lark(self.trigger)}? call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
                 "TEXT: /[^{<](.|\\n)*/\n")
 
 
@@ -156,7 +160,7 @@ class Mistral(Parser):
         array = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
-        return f"%json {json.dumps(array)}"
+        return _json(array)
 
     def required(self, tools, parallel):
         return f"start: {_lark(self.trigger)} {self._array(tools, parallel)}\n"
