@@ -223,7 +223,7 @@ def test_tool_history_renders_and_the_follow_up_answers(client, model):
     answer = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=5, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length")
     expected = [dict(m) for m in history]
-    expected[1] = {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
+    expected[2] = {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
         "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}
     assert answer.usage.prompt_tokens == len(chat_ids(tokenizer, expected, TOOLS))
 

@@ -51,11 +51,14 @@ class Message(Strict):
     tool_call_id: str | None = None
 
     def for_template(self) -> dict:
-        """The message as chat templates read it: text parts joined by newlines, as vLLM joins them; a tool
-        call's arguments as a dict (what transformers' templates expect) when they are a JSON object."""
+        """The message as chat templates read it: text parts joined by newlines, as vLLM joins them; with tool
+        calls, null content as "" and a call's arguments as a dict (what transformers' templates expect) when they
+        are a JSON object."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
+        if content is None and self.tool_calls:  # templates read a call's content; OpenAI sends null
+            content = ""
         message = {"role": self.role, "content": content,
                    **self.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
         if self.tool_calls is not None:
