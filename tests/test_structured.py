@@ -282,7 +282,6 @@ def test_chat_logprobs_are_the_model_distribution(client, model, temperature):
     content = answer.choices[0].logprobs.content
     assert len(content) == 12
     prompt = chat_ids(tokenizer, MESSAGES)
-    tokens = tokenizer.encode("".join(c.token for c in content), add_special_tokens=False)
     tokens = [tokenizer.encode(c.token, add_special_tokens=False) for c in content]
     if not all(len(t) == 1 for t in tokens):
         pytest.skip("a token's text does not encode back to itself")
@@ -364,3 +363,16 @@ def test_bad_schemas_and_tools_are_400s_and_the_server_goes_on(server, client):
         _assert_error(status, answer, 400, *words, param=param)
     answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_cli_json_schema_file(checkpoint, tmp_path, capsys):
+    from lmstack.cli import main
+
+    schema = SCHEMAS["enum and integer bounds"]
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    assert main(["generate", "-m", str(checkpoint), "--json-schema", str(tmp_path / "schema.json"), "-q", "-n", "60",
+                 "Hello"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), schema)
+    (tmp_path / "bad.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    assert main(["generate", "-m", str(checkpoint), "--json-schema", str(tmp_path / "bad.json"), "-q", "Hi"]) == 1
+    assert "uniqueItems" in capsys.readouterr().err

@@ -5,6 +5,7 @@ only when it is a terminal.
 """
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -75,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                             "and the text so far (the same tokens; faster on text that repeats). 0: off")
         p.add_argument("--lookup-ngram", type=_positive, default=DEFAULT_NGRAM, metavar="N",
                        help=f"drafts follow a match of the last N tokens or fewer (default {DEFAULT_NGRAM})")
+        p.add_argument("--json-schema", type=_json_file, default=None, metavar="FILE",
+                       help="answer JSON valid for the JSON Schema in FILE (constrained decoding)")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
         p.add_argument("--verbose", "-v", action="store_true", help="load time and tokens/s on stderr")
 
@@ -108,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=_positive, default=4096, help="the most max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN", help="allow these browser origins")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call syntax: hermes, llama3_json or mistral (default: from its chat template)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
     p.set_defaults(run=_serve)
@@ -138,6 +143,17 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _json_file(text: str) -> dict:
+    """A JSON Schema file's object, read when the flags are parsed (before the model loads)."""
+    try:
+        value = json.loads(Path(text).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text}: a JSON Schema is a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -212,7 +228,8 @@ def _answer(lm, tokenizer, ids, args) -> str:
     text, steps, first = "", 0, None
     try:
         for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args),
-                                   prompt_lookup=args.prompt_lookup, lookup_ngram=args.lookup_ngram):
+                                   prompt_lookup=args.prompt_lookup, lookup_ngram=args.lookup_ngram,
+                                   json_schema=args.json_schema):
             steps += 1
             first = first or time.perf_counter()
             if piece:
@@ -318,7 +335,8 @@ def _serve(args):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     service = Service(args.served_model_name or args.model or models.DEFAULT, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                      max_waiting=args.max_waiting, cors_origins=args.cors_origins)
+                      max_waiting=args.max_waiting, cors_origins=args.cors_origins,
+                      tool_call_parser=args.tool_call_parser)
     serve(lambda: _load(args), service, host=args.host, port=args.port,
           engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
                               max_prefill_tokens=args.max_prefill_tokens))
