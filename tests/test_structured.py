@@ -319,6 +319,15 @@ def test_completion_echo_logprobs_score_the_prompt(client, model):
     assert logprobs.text_offset[:3] == [0, len(logprobs.tokens[0]), len(logprobs.tokens[0] + logprobs.tokens[1])]
 
 
+def test_n_choices_share_their_prompt_blocks(client, server):
+    engine = server[0].engine
+    prompt = "Samples share a prompt: " + " ".join(f"w{i}" for i in range(30))  # over two 16-token blocks
+    before = engine.stats()["prefix_hits"]
+    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=1.0, seed=9, n=3)
+    assert len(answer.choices) == 3
+    assert engine.stats()["prefix_hits"] - before >= 2 * 2  # choices 2 and 3 found the first one's full blocks
+
+
 def test_n_choices(client):
     sampled = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3,
                                              n=3)

@@ -308,11 +308,13 @@ class Engine:
 
     def add(self, prompt_ids, *, max_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-            eos_ids=None, constraint=None, logprobs: int | None = None) -> Handle:
+            eos_ids=None, constraint=None, logprobs: int | None = None, sample_of: Handle | None = None) -> Handle:
         """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed).
 
         `constraint`: a grammar.Grammar its tokens must follow (it ends, "stop", when the grammar is complete).
         `logprobs`: record each token's log-probability and that many top alternatives (handle.logprobs).
+        `sample_of`: the handle of another sample of the same prompt_ids (OpenAI's n): this one starts once that
+        one's prompt is computed, and shares its KV blocks.
         """
         if self._closed:
             raise EngineError("the engine is closed")
@@ -349,6 +351,10 @@ class Engine:
             if self._closed:
                 raise EngineError("the engine is closed")
             seq = Seq(self._arrivals, prompt, len(prompt))
+            if sample_of is not None:
+                if sample_of._seq.tokens[:sample_of._seq.n_prompt] != prompt:
+                    raise ValueError("sample_of is a request of other prompt_ids")
+                seq.leader = sample_of._seq
             self._arrivals += 1
             handle = Handle(self, seq, max_tokens, decoder, eos, text, logprobs)
             self._incoming.append(handle)

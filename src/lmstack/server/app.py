@@ -37,6 +37,7 @@ log = logging.getLogger("lmstack.server")
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096
 MAX_WAITING = 64
+PROMPT_CHUNK = 256  # prompt tokens per forward when scoring a prompt (echo with logprobs)
 TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 
 
@@ -116,7 +117,8 @@ class Service:
         try:
             for i in range(n):  # each choice its own random stream; a seed gives seed, seed + 1, ...
                 seed = sampling["seed"] if sampling["seed"] is None else (sampling["seed"] + i) % (1 << 64)
-                handles.append(self.engine.add(ids, max_tokens=limit, **{**sampling, "seed": seed}, **options))
+                handles.append(self.engine.add(ids, max_tokens=limit, **{**sampling, "seed": seed}, **options,
+                                               sample_of=handles[0] if handles else None))
         except ValueError as e:
             for handle in handles:
                 handle.abort()
@@ -139,12 +141,18 @@ class Service:
         """[(logprob, top)] of each prompt token after the first, given the ones before it (one forward, off the
         event loop, one prompt at a time)."""
         def run():
+            model, out = self.engine.model, []
             with self._forward_lock, torch.no_grad():
-                logits = self.engine.model.forward(torch.tensor([ids]))[0, :-1].float().log_softmax(-1)
-            chosen = logits.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-            best = logits.topk(top) if top else None
-            return [(lp, [] if best is None else list(zip(best.indices[j].tolist(), best.values[j].tolist())))
-                    for j, lp in enumerate(chosen)]
+                state = model.allocate_state(1, len(ids))
+                for start in range(0, len(ids) - 1, PROMPT_CHUNK):  # (chunk, vocab) logits at a time
+                    chunk = ids[start:min(start + PROMPT_CHUNK, len(ids) - 1)]
+                    logits = model.forward(torch.tensor([chunk]), state)[0].float().log_softmax(-1)
+                    nexts = torch.tensor(ids[start + 1:start + 1 + len(chunk)])
+                    chosen = logits.gather(1, nexts[:, None])[:, 0].tolist()
+                    best = logits.topk(top) if top else None
+                    out += [(lp, [] if best is None else list(zip(best.indices[j].tolist(), best.values[j].tolist())))
+                            for j, lp in enumerate(chosen)]
+            return out
 
         return await asyncio.to_thread(run)
 
