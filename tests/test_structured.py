@@ -208,7 +208,7 @@ def test_auto_answers_text_or_valid_calls_and_arms_the_grammar_at_the_trigger(cl
     assert free.allowed().sum() > 40000  # before the trigger: any text
     for token in tokenizer.encode("Sure. <tool_call>\n", add_special_tokens=False):
         free.accept(token)
-    allowed = {tokenizer.decode([t]) for t in free.allowed().nonzero()[:, 0].tolist()}
+    allowed = {tokenizer.decode([t]) for t in free.allowed().nonzero()[0].tolist()}
     assert allowed and all('{"name":"'.startswith(text) or text.startswith('{"') for text in allowed)
 
 
@@ -226,6 +226,10 @@ def test_tool_history_renders_and_the_follow_up_answers(client, model):
     expected[2] = {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
         "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}
     assert answer.usage.prompt_tokens == len(chat_ids(tokenizer, expected, TOOLS))
+    as_returned = client.chat.completions.create(  # the answer's message object handed back, as agents do
+        model=NAME, messages=MESSAGES + [first.choices[0].message, history[-1]], tools=TOOLS, max_tokens=5,
+        temperature=0)
+    assert as_returned.usage.prompt_tokens == answer.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("name, text, content, calls", [

@@ -53,12 +53,13 @@ class Matcher:
         if not self._matcher.consume_token(token):
             raise GrammarError(f"the grammar refused token {token}: {self._matcher.get_error()}")
 
-    def allowed(self) -> torch.Tensor:
-        """(vocab,) bool: the tokens the grammar allows next."""
+    def allowed(self) -> np.ndarray:
+        """(vocab,) bool: the tokens the grammar allows next. NumPy only: it runs in a side thread beside the
+        model's forward, whose OpenMP team a torch op here would contend with."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool))
-        if len(allowed) < self.vocab:  # the tokenizer's ids end before the embedding rows do
-            allowed = torch.cat([allowed, torch.zeros(self.vocab - len(allowed), dtype=torch.bool)])
+        allowed = np.zeros(self.vocab, dtype=bool)  # ids past the tokenizer's, up to the embedding rows: never
+        known = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+        allowed[:len(known)] = known
         if not allowed.any():
             raise GrammarError(f"the grammar allows no token: {self._matcher.get_error() or 'it is stuck'}")
         return allowed
@@ -86,11 +87,11 @@ class GrammarMask:
         self._next = [_MASKS.submit(m.allowed) for m in matchers]  # the first masks, while the prompt runs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        allowed = torch.ones(logits.shape, dtype=torch.bool)
+        allowed = np.ones(logits.shape, dtype=bool)
         for row, pending in enumerate(self._next):
             if pending is not None:
                 allowed[row] = pending.result()
-        return logits.masked_fill(~allowed.to(logits.device), -math.inf)
+        return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -math.inf)
 
     def accept(self, tokens: torch.Tensor):
         for row, token in enumerate(tokens.tolist()):
