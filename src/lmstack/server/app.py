@@ -534,6 +534,9 @@ def _tool_plan(service: Service, req) -> tuple:
     names = [tool.function.name for tool in offered]
     if len(set(names)) != len(names):
         raise p.APIError(400, f"tools: function names must be unique, got {names}", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise p.APIError(400, "response_format and tools both constrain the answer: give one of them (or "
+                              "tool_choice 'none')", param="response_format")
     parallel = req.parallel_tool_calls is not False
     listed = req.template_tools()
     if isinstance(choice, p.NamedToolChoice):
@@ -542,9 +545,6 @@ def _tool_plan(service: Service, req) -> tuple:
                                   f"tools ({', '.join(names)})", param="tool_choice")
         wanted = [tool for tool in listed if tool["function"]["name"] == choice.function.name]
         return service.parser, service.parser.required(wanted, parallel=False)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise p.APIError(400, "response_format and tools constrain the same answer: give one of them",
-                         param="response_format")
     if choice == "required":
         return service.parser, service.parser.required(listed, parallel)
     return service.parser, service.parser.auto(listed, parallel)
