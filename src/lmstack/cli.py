@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN", help="allow these browser origins")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the model's tool-call syntax: hermes, llama3_json or mistral (default: from its chat template)")
+                   help="the model's tool-call syntax: hermes, llama3_json or mistral (default: from the chat "
+                        "template)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
     p.set_defaults(run=_serve)

@@ -1,8 +1,8 @@
 """Choosing the next token, and the text a generation shows as it goes.
 
 `Sampler` turns processed logits into tokens (greedy by default; temperature, top-k, top-p, min-p applied
-in the order transformers applies them; decoding.Decoder applies the penalties before it). `TextStream` turns a growing list of
-tokens into text pieces that never split a UTF-8 character and never show the start of a stop
+in the order transformers applies them; decoding.Decoder applies the penalties before it). `TextStream` turns
+a growing list of tokens into text pieces that never split a UTF-8 character and never show the start of a stop
 string before it is known not to be one. `stream_text` and `generate_text` put them around
 `CausalLM.stream` for prompts given as text.
 """
