@@ -3,7 +3,8 @@
 Every request model forbids unknown fields: a field the server does not know, or knows but does not
 honor, is a 400 naming it rather than a silent drop. Fields of the API that only some values of are
 served (`logit_bias`, `suffix`, `best_of`) accept those values and refuse the others by name. `top_k`,
-`min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s); `ignore_eos` (as vLLM and llama-server name it) makes exactly max_tokens tokens, for benchmarks.
+`min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s); `ignore_eos` (as vLLM and
+llama-server name it) makes exactly max_tokens tokens, for benchmarks.
 """
 
 import json
