@@ -219,9 +219,8 @@ class ToolStream:
             return self._send(len(self.text)), []
         new = calls[self.calls:]
         self.calls = len(calls)
-        streamed = self.text[:self.sent]
-        rest = (content or "")[len(streamed):] if (content or "").startswith(streamed) else ""
-        return rest, new
+        streamed, content = self.text[:self.sent].strip(), content or ""  # parse strips the content's ends
+        return (content[len(streamed):] if content.startswith(streamed) else ""), new
 
     def _triggers(self) -> tuple:
         return (self.parser.trigger, "{") if isinstance(self.parser, Llama3JSON) else (self.parser.trigger,)
