@@ -348,6 +348,22 @@ def test_n_choices(client):
     assert texts == [greedy.choices[0].text] * 2
 
 
+def test_logit_bias_forces_and_bans_tokens(client, server):
+    forced = 1000
+    answer = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].logprobs.tokens == [server[0].tokenizer.decode([forced])] * 4
+    plain = client.completions.create(model=NAME, prompt="Hello", max_tokens=1, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    first_id = server[0].tokenizer.encode(first, add_special_tokens=False)[0]
+    banned = client.completions.create(model=NAME, prompt="Hello", max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    status, _, body = raw(server[1], "POST", "/v1/completions",
+                          {"model": NAME, "prompt": "x", "logit_bias": {"49152": 1}})
+    _assert_error(status, body, 400, "logit_bias", "49152")
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 `CausalLM.generate` and `stream`, prompt lookup and the engine each make one `Decoder` per generation (the
 engine one per request) and hand it every step's logits. The processors rewrite the float32 logits in a fixed
-order: OpenAI's presence and frequency penalties, transformers' repetition penalty, a grammar's mask. Then the
+order: OpenAI's presence and frequency penalties, transformers' repetition penalty, OpenAI's logit bias, a
+grammar's mask. Then the
 sampler draws, and every processor sees the chosen tokens. A new constraint is one more processor: an object
 with `__call__(logits) -> logits` and `accept(tokens)` (tokens (B,), -1 for a row that has stopped).
 """
@@ -43,6 +44,20 @@ class RepetitionPenalty:
         self.seen[rows, tokens[rows]] = True
 
 
+class LogitBias:
+    """OpenAI's logit_bias: a number added to given tokens' logits (-100 bans a token, 100 all but forces it)."""
+
+    def __init__(self, bias: dict, device):
+        self.ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_add(1, self.ids, self.values.expand(logits.shape[0], -1))
+
+    def accept(self, tokens: torch.Tensor):
+        pass
+
+
 class Decoder:
     """A generation's token choice: its processors, its sampler and its random stream.
 
@@ -60,9 +75,9 @@ class Decoder:
 
     @classmethod
     def build(cls, sampler: Sampler, prompts, vocab: int, device, *, presence: float = 0.0, frequency: float = 0.0,
-              constraint=None) -> "Decoder":
-        """The chain for rows of `prompts` (lists of token ids): the penalties asked for, then the constraint's
-        mask (a grammar.Grammar, one matcher per row)."""
+              logit_bias: dict | None = None, constraint=None) -> "Decoder":
+        """The chain for rows of `prompts` (lists of token ids): the penalties asked for, the logit bias
+        ({token id: number}), then the constraint's mask (a grammar.Grammar, one matcher per row)."""
         batch, processors = len(prompts), []
         if presence or frequency:
             processors.append(PresenceFrequencyPenalty(presence, frequency, batch, vocab, device))
@@ -71,6 +86,8 @@ class Decoder:
             for row, prompt in enumerate(prompts):
                 seen[row, torch.as_tensor(list(prompt), dtype=torch.long, device=device)] = True
             processors.append(RepetitionPenalty(sampler.repetition_penalty, seen))
+        if logit_bias:
+            processors.append(LogitBias(logit_bias, device))
         if constraint is not None:
             processors.append(constraint.mask(batch))
         return cls(sampler, processors, device)

@@ -308,9 +308,11 @@ class Engine:
 
     def add(self, prompt_ids, *, max_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-            eos_ids=None, constraint=None, logprobs: int | None = None, sample_of: Handle | None = None) -> Handle:
+            eos_ids=None, logit_bias=None, constraint=None, logprobs: int | None = None,
+            sample_of: Handle | None = None) -> Handle:
         """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed).
 
+        `logit_bias`: {token id: number in [-100, 100]} added to those logits, as OpenAI's field.
         `constraint`: a grammar.Grammar its tokens must follow (it ends, "stop", when the grammar is complete).
         `logprobs`: record each token's log-probability and that many top alternatives (handle.logprobs).
         `sample_of`: the handle of another sample of the same prompt_ids (OpenAI's n): this one starts once that
@@ -343,10 +345,17 @@ class Engine:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= self.model.vocab_size):
             raise ValueError(f"logprobs must be an integer in [0, {self.model.vocab_size}], got {logprobs!r}")
+        for token, value in (logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.model.vocab_size:
+                raise ValueError(f"logit_bias holds {token!r}, not a token id in [0, {self.model.vocab_size})")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not -100 <= value <= 100):
+                raise ValueError(f"logit_bias of token {token} must be a number in [-100, 100], got {value!r}")
         text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         eos = frozenset(self._eos_ids(eos_ids))
         decoder = Decoder.build(sampler, [prompt], self.model.vocab_size, self.model.device,
-                                presence=presence_penalty, frequency=frequency_penalty, constraint=constraint)
+                                presence=presence_penalty, frequency=frequency_penalty, logit_bias=logit_bias,
+                                constraint=constraint)
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")

@@ -2,7 +2,7 @@
 
 Every request model forbids unknown fields: a field the server does not know, or knows but does not
 honor, is a 400 naming it rather than a silent drop. Fields of the API that only some values of are
-served (`logit_bias`, `suffix`, `best_of`) accept those values and refuse the others by name. `top_k`,
+served (`suffix`, `best_of`) accept those values and refuse the others by name. `top_k`,
 `min_p` and `repetition_penalty` are lmstack's own sampling fields (`Sampler`'s); `ignore_eos` (as vLLM and
 llama-server name it) makes exactly max_tokens tokens, for benchmarks.
 """
@@ -117,7 +117,7 @@ class ResponseFormat(Strict):
         return self
 
 
-NEUTRAL = dict(logit_bias=(None, {}), suffix=(None,), best_of=(None, 1))
+NEUTRAL = dict(suffix=(None,), best_of=(None, 1))
 
 
 class Sampling(Strict):
@@ -157,7 +157,18 @@ class Sampling(Strict):
             raise ValueError(f"at most 4 stop strings, got {len(stops)}")
         return stops
 
-    @field_validator("logit_bias", "suffix", "best_of", check_fields=False)
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        """OpenAI's keys are token ids written as JSON strings; the engine checks their range and the values'."""
+        if bias is None:
+            return None
+        wrong = [key for key in bias if not (key.isascii() and key.isdigit())]
+        if wrong:
+            raise ValueError(f"keys must be token ids (decimal integers), got {wrong}")
+        return bias
+
+    @field_validator("suffix", "best_of", check_fields=False)
     @classmethod
     def _unsupported(cls, value, info):
         """Fields of the API served only at their neutral values; any other value is refused by name."""
@@ -170,9 +181,10 @@ class Sampling(Strict):
         """Engine.add's sampling keywords: OpenAI's defaults for what the request leaves out."""
         values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                       repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                      frequency_penalty=self.frequency_penalty, seed=self.seed)
+                      frequency_penalty=self.frequency_penalty, seed=self.seed,
+                      logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
         defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                        presence_penalty=0.0, frequency_penalty=0.0, seed=None)
+                        presence_penalty=0.0, frequency_penalty=0.0, seed=None, logit_bias=None)
         options = {k: defaults[k] if v is None else v for k, v in values.items()} | {"stop": tuple(self.stop or ())}
         return {**options, "eos_ids": ()} if self.ignore_eos else options
 
