@@ -92,6 +92,20 @@ def test_json_schema_answers_parse_and_validate(client, name, mode):
     assert text == choice.message.content  # greedy, or the same seed: the same answer
 
 
+def test_logprobs_under_a_grammar_list_only_allowed_tokens(client):
+    answer = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=20, temperature=0, logprobs=True, top_logprobs=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}})
+    content = answer.choices[0].logprobs.content
+    assert answer.choices[0].message.content in ("true", "false")
+    assert content[0].token in ("t", "f", "true", "false", "tr", "fa", "fal", "tru")
+    for entry in content:
+        assert 1 <= len(entry.top_logprobs) <= 20
+        assert all(t.logprob > -1e30 for t in entry.top_logprobs)
+        assert sum(torch.tensor([t.logprob for t in entry.top_logprobs]).exp()) == pytest.approx(1, abs=1e-3) \
+            or len(entry.top_logprobs) == 20
+
+
 def test_json_object_answer_is_an_object(client):
     answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
                                             response_format={"type": "json_object"})

@@ -165,8 +165,8 @@ class Handle:
         if self.logprobs is not None:
             logprobs = self._decoder.logprobs()[0]
             top = logprobs.topk(self._top) if self._top else None
-            self.logprobs.append((float(logprobs[token]), [] if top is None else
-                                  list(zip(top.indices.tolist(), top.values.tolist()))))
+            self.logprobs.append((float(logprobs[token]), [] if top is None else  # a masked-out token is no option
+                                  [(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > -math.inf]))
         ended = self._decoder.ended
         return token, bool(ended is not None and ended[0])
 
