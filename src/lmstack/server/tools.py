@@ -138,7 +138,7 @@ class Llama3JSON(Parser):
     def auto(self, tools, parallel):
         more = ' ("; " call)*' if parallel else ""
         return (f"start: TEXT | {_lark(self.trigger)}? call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
-                "TEXT: /[^{<](.|\\n)*/\n")
+                "TEXT: /[^{](.|\\n)*/\n")  # text that does not open with a call
 
 
 class Mistral(Parser):
