@@ -404,6 +404,9 @@ def test_bad_schemas_and_tools_are_400s_and_the_server_goes_on(server, client):
     ]:
         status, _, answer = raw(url, "POST", "/v1/chat/completions", {**chat, **body})
         _assert_error(status, answer, 400, *words, param=param)
+    status, _, answer = raw(url, "POST", "/v1/completions", {"model": NAME, "prompt": [5] * 300, "echo": True,
+                                                              "logprobs": 1, "max_tokens": 1})
+    _assert_error(status, answer, 400, "300", param="prompt")
     answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length")
 

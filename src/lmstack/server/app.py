@@ -318,11 +318,16 @@ def create_app(service: Service) -> Starlette:
         _check_model(service, req.model)
         ids = req.prompt if isinstance(req.prompt, list) else _encode(service, req.prompt, "prompt")
         top = req.top
+        record.handles = handles = service.submit(ids, req, "prompt", logprobs=top)  # the lengths checked
         echoed = None  # with echo: the prompt's text and, with logprobs, its tokens' log-probabilities
         if req.echo:
-            echoed = (service.tokenizer.decode(ids),
-                      None if top is None else await service.prompt_logprobs(ids, top))
-        record.handles = handles = service.submit(ids, req, "prompt", logprobs=top)
+            try:
+                echoed = (service.tokenizer.decode(ids),
+                          None if top is None else await service.prompt_logprobs(ids, top))
+            except BaseException:
+                for handle in handles:
+                    handle.abort()
+                raise
         ident, created = p.new_id("cmpl"), p.now()
 
         def chunk(index: int, text: str | None, finish=None, usage=None, logprobs=None) -> str:
