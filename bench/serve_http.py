@@ -8,7 +8,9 @@ meaningful on a loaded machine, where wall times are not and where llama.cpp's s
 CPU time balloon). The servers take turns level by level (the first to go alternates), so each ratio compares runs
 seconds apart on the same machine. The "newcomer" row is the time to first token of a short request sent while 15
 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
-this process, without HTTP.
+this process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts, one
+plain and one with a `json_schema` response_format (a long string field, so every request still makes `--tokens`
+tokens): constrained decoding's cost at each level is their tokens/s ratio.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
 cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
@@ -63,13 +65,26 @@ def wait_healthy(port: int, process: subprocess.Popen, what: str, timeout=600):
     raise RuntimeError(f"{what} did not become healthy in {timeout} s")
 
 
-def stream_one(port: int, model: str, prompt: str, tokens: int) -> dict:
-    """One streamed completion: {latency, ttft, tokens}."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}})
+STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+                "required": ["story"], "additionalProperties": False}
+
+
+def stream_one(port: int, model: str, prompt: str, tokens: int, chat: str | None = None) -> dict:
+    """One streamed completion: {latency, ttft, tokens}; chat "plain" or "schema": a chat request instead, the
+    prompt as its user message, with STORY_SCHEMA as its response_format for "schema"."""
+    request = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+               "stream_options": {"include_usage": True}}
+    if chat is None:
+        route, request["prompt"] = "/v1/completions", prompt
+    else:
+        route, request["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        if chat == "schema":
+            request["response_format"] = {"type": "json_schema", "json_schema": {"name": "story",
+                                                                                  "schema": STORY_SCHEMA}}
+    body = json.dumps(request)
     start = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", route, body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
@@ -80,7 +95,7 @@ def stream_one(port: int, model: str, prompt: str, tokens: int) -> dict:
         chunk = json.loads(line[6:])
         if "error" in chunk:
             raise RuntimeError(chunk["error"])
-        if any(c.get("text") for c in chunk.get("choices", ())):
+        if any(c.get("text") or c.get("delta", {}).get("content") for c in chunk.get("choices", ())):
             chunks += 1
             first = first or time.perf_counter()
         if chunk.get("usage"):
@@ -239,6 +254,8 @@ def main():
     parser.add_argument("--probes", type=int, default=6, help="newcomer requests (0: no newcomer row)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", action="store_true", help="also the in-process Engine, without HTTP")
+    parser.add_argument("--constrained", action="store_true",
+                        help="also lmstack chat requests, plain and with a json_schema response_format")
     parser.add_argument("--llama-server", type=Path, default=shutil.which("llama-server"))
     parser.add_argument("--file-type", help="both servers on bench/ggufs.py's file of this type (default: lmstack "
                         "on --model, llama-server on its BF16 file)")
@@ -268,6 +285,11 @@ def main():
                   f"load average {load()} at the start")
             runs = {name: partial(signalling, partial(stream_one, port, args.model), tokens=args.tokens)
                     for name, (_, port) in servers.items()}
+            if args.constrained:
+                port = servers["lmstack"][1]
+                for kind in ("plain", "schema"):
+                    runs[f"lmstack chat {kind}"] = partial(signalling, partial(stream_one, port, args.model,
+                                                                                chat=kind), tokens=args.tokens)
             if args.engine:
                 engine, tokenizer = in_process_engine(args)
                 runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
@@ -275,6 +297,7 @@ def main():
                 level(one, 2, 1)
             rows, order = {}, list(runs)
             pids = {name: process.pid for name, (process, _) in servers.items()}
+            pids.update({name: pids["lmstack"] for name in runs if name.startswith("lmstack chat")})
             for clients in args.clients:
                 for name in order:
                     rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name))
@@ -311,6 +334,12 @@ def report(rows, args, names, busy):
             cpu = "" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
             print(f"| {clients} | {name} | {r['rate']:.1f} | {r['latency'][0]:.2f} / {r['latency'][1]:.2f} | "
                   f"{r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} | {cpu} {ratios}")
+    if "lmstack chat schema" in names:
+        print("\n| clients | chat tok/s plain | with json_schema | constrained over plain |")
+        print("|---|---|---|---|")
+        for clients in args.clients:
+            plain, schema = rows[clients, "lmstack chat plain"]["rate"], rows[clients, "lmstack chat schema"]["rate"]
+            print(f"| {clients} | {plain:.1f} | {schema:.1f} | {schema / plain:.2f}x |")
     for name in names:
         if ("newcomer", name) in rows:
             r = rows["newcomer", name]

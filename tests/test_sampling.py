@@ -5,6 +5,7 @@ import torch
 import transformers.generation.logits_process as hf
 
 from lmstack import CausalLM
+from lmstack.decoding import RepetitionPenalty
 from lmstack.sampling import Sampler, TextStream, generate_text, stream_text, text_steps
 from lmstack.tokenizer import Tokenizer
 from test_gguf import write_gguf
@@ -60,7 +61,8 @@ def test_filter_matches_transformers_warpers(options):
     expected = logits.clone()
     for processor in chain:
         expected = processor(history, expected)
-    torch.testing.assert_close(Sampler(**options).filter(logits, seen), expected)
+    penalized = RepetitionPenalty(options.get("repetition_penalty", 1.0), seen)(logits)
+    torch.testing.assert_close(Sampler(**options).warp(penalized), expected)
 
 
 def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint):

@@ -476,16 +476,18 @@ def test_bad_requests_get_a_400_naming_the_field(server):
     status, _, body = raw(url, "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [')
     _assert_error(status, body, 400, "JSON")
     assert raw(url, "POST", "/v1/chat/completions", chat)[0] == 200  # each 400 below is its field's
-    for field, value in [("logit_bias", {"1": 5}), ("frobnicate", 1), ("n", 2), ("logprobs", True),
-                         ("top_logprobs", 2), ("response_format", {"type": "json_object"}), ("temperature", 7),
+    for field, value in [("logit_bias", {"x": 5}), ("frobnicate", 1), ("n", 0), ("n", 17), ("logprobs", 3),
+                         ("top_logprobs", 21), ("top_logprobs", 2), ("temperature", 7),
                          ("tool_choice", "required"), ("stop", [""]), ("max_tokens", 0), ("user", "me"),
                          ("stream_options", {"include_usage": True}), ("max_completion_tokens", 3)]:
         status, _, body = raw(url, "POST", "/v1/chat/completions", {**chat, field: value})
         _assert_error(status, body, 400, field, param=field)
+    status, _, body = raw(url, "POST", "/v1/chat/completions", {**chat, "response_format": {"type": "xml"}})
+    _assert_error(status, body, 400, "json_schema", param="response_format.type")
     status, _, body = raw(url, "POST", "/v1/chat/completions",
                           {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
     _assert_error(status, body, 400, "messages[0].content[0]")
-    for field, value in [("echo", True), ("suffix", "x"), ("best_of", 3), ("logprobs", 1)]:
+    for field, value in [("echo", "x"), ("suffix", "x"), ("best_of", 3), ("logprobs", 6)]:
         status, _, body = raw(url, "POST", "/v1/completions", {"model": NAME, "prompt": "x", field: value})
         _assert_error(status, body, 400, field, param=field)
     status, _, body = raw(url, "POST", "/v1/completions", {"model": NAME, "prompt": [1, 49152]})

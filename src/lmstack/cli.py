@@ -5,6 +5,7 @@ only when it is a terminal.
 """
 
 import argparse
+import json
 import math
 import os
 import re
@@ -128,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                             "and the text so far (the same tokens; faster on text that repeats). 0: off")
         p.add_argument("--lookup-ngram", type=_positive, default=DEFAULT_NGRAM, metavar="N",
                        help=f"drafts follow a match of the last N tokens or fewer (default {DEFAULT_NGRAM})")
+        p.add_argument("--json-schema", type=_json_file, default=None, metavar="FILE",
+                       help="answer JSON valid for the JSON Schema in FILE (constrained decoding)")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
         p.add_argument("--verbose", "-v", action="store_true", help="load time and tokens/s on stderr")
 
@@ -169,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the server (default 64KiB)")
     p.add_argument("--send-timeout", type=_seconds, default=5.0, metavar="SECONDS",
                    help="a stream whose send buffer stays full this long is cut off and its request aborted")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call syntax: hermes, llama3_json or mistral (default: from the chat "
+                        "template)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--verbose", "-v", action="store_true", help="load time on stderr")
     p.set_defaults(run=_serve)
@@ -201,6 +207,17 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _json_file(text: str) -> dict:
+    """A JSON Schema file's object, read when the flags are parsed (before the model loads)."""
+    try:
+        value = json.loads(Path(text).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text}: a JSON Schema is a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -288,7 +305,8 @@ def _answer(lm, tokenizer, ids, args) -> str:
     text, steps, first = "", 0, None
     try:
         for (piece,) in text_steps(lm, tokenizer, [ids], args.max_new_tokens, stop=args.stop, **_sampling(args),
-                                   prompt_lookup=args.prompt_lookup, lookup_ngram=args.lookup_ngram):
+                                   prompt_lookup=args.prompt_lookup, lookup_ngram=args.lookup_ngram,
+                                   json_schema=args.json_schema):
             steps += 1
             first = first or time.perf_counter()
             if piece:
@@ -410,7 +428,7 @@ def _serve(args):
                       max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                       max_waiting=args.max_waiting, cors_origins=args.cors_origins,
                       allow_special_in_messages=args.allow_special_in_messages, send_buffer=args.send_buffer,
-                      send_timeout=args.send_timeout)
+                      send_timeout=args.send_timeout, tool_call_parser=args.tool_call_parser)
     serve(lambda: _load(args), service, host=args.host, port=args.port,
           engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
                               max_prefill_tokens=args.max_prefill_tokens))

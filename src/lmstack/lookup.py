@@ -83,22 +83,20 @@ def _inexact(model, batch_size: int) -> str | None:
 
 
 @torch.no_grad()
-def decode(model, ids, state, max_new_tokens: int, sampler, eos, until, prompt_lookup: int, lookup_ngram: int):
-    """Yield each new token (1,) as CausalLM._decode does, checking drafts of up to prompt_lookup tokens."""
+def decode(model, ids, state, max_new_tokens: int, decoder, eos, until, prompt_lookup: int, lookup_ngram: int):
+    """Yield each new token (1,) as CausalLM._decode does, checking drafts of up to prompt_lookup tokens.
+
+    Each kept token is the one the decoder chooses from its row after the tokens before it, so a grammar's
+    mask applies to drafts as to plain steps: a draft the grammar forbids is never chosen, and is cut there."""
     device = model.device
-    generator = sampler.generator(device)
-    seen = None
-    if sampler.repetition_penalty != 1:
-        seen = torch.zeros(1, model.vocab_size, dtype=torch.bool, device=device)
-        seen[0, ids[0]] = True
     index = NgramIndex(lookup_ngram, ids[0].tolist())
     rows, draft, made = model._run(ids, state, last_only=True)[0], [], 0  # rows[i]: the logits after fed token i
     while True:
         for i in range(len(rows)):
-            token = sampler(rows[i:i + 1], seen, generator).to(device)
-            if seen is not None:
-                seen[0, token] = True
+            token = decoder.choose(rows[i:i + 1])
             done = torch.isin(token, eos)
+            if decoder.ended is not None:
+                done |= decoder.ended
             if until is not None:
                 done |= until(token)
             yield token

@@ -25,6 +25,7 @@ from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, h
 from .gguf import BLOCK_TYPES, GGUFFile, is_gguf
 from . import kernels, lookup
 from .rope import Rotary
+from .decoding import Decoder
 from .sampling import Sampler
 from .threads import Threads
 
@@ -647,7 +648,7 @@ class CausalLM:
         return self.forward(ids, state)[:, -1]
 
     def generate(self, ids, max_new_tokens: int, *, greedy: bool = True, eos_ids=(), until=None, prompt_lookup=0,
-                 lookup_ngram=lookup.DEFAULT_NGRAM, **sampling) -> torch.Tensor:
+                 lookup_ngram=lookup.DEFAULT_NGRAM, constraint=None, **sampling) -> torch.Tensor:
         """(B, L) ids in, (B, L + max_new_tokens) ids out: each prompt followed by its continuation.
 
         `greedy=True` takes the argmax (ties to the lowest id); `greedy=False` samples, and needs a
@@ -671,12 +672,12 @@ class CausalLM:
         out[:, :L] = ids.masked_fill(torch.arange(L, device=self.device) < offsets[:, None], -1)
         if max_new_tokens:
             for i, tokens in enumerate(self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until,
-                                                    prompt_lookup, lookup_ngram)):
+                                                    prompt_lookup, lookup_ngram, constraint)):
                 out[:, L + i] = tokens
         return out
 
     def stream(self, ids, max_new_tokens: int, *, eos_ids=(), until=None, prompt_lookup=0,
-               lookup_ngram=lookup.DEFAULT_NGRAM, **sampling) -> Iterator[torch.Tensor]:
+               lookup_ngram=lookup.DEFAULT_NGRAM, constraint=None, **sampling) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens (B,) as they are made: one prefill, then one step per token.
 
         `ids` may be ragged (rows of different lengths): rows are left-padded and masked, so each row
@@ -690,13 +691,18 @@ class CausalLM:
         tokens or fewer; one forward checks them all. The tokens are the plain generation's (sampled ones too,
         seed for seed); text that repeats the prompt comes faster. One prompt at a time, transformer models on
         CPU with lmstack's kernels; elsewhere lookup.PromptLookupError.
+
+        `constraint` (a grammar.Grammar, e.g. grammar.compile(tokenizer, vocab_size, json_schema=...)) masks
+        every step to the tokens the grammar allows; a row ends when the grammar is complete. Drafts of prompt
+        lookup pass through the same mask (lookup.decode).
         """
         sampler = Sampler(**sampling)
         ids, offsets = self._prompt(ids, max_new_tokens)
         lookup.check(self, ids.shape[0], prompt_lookup, lookup_ngram)
         if not max_new_tokens:
             return iter(())
-        return self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until, prompt_lookup, lookup_ngram)
+        return self._stream(ids, offsets, max_new_tokens, sampler, eos_ids, until, prompt_lookup, lookup_ngram,
+                            constraint)
 
     def _prompt(self, ids, max_new_tokens):
         """The prompt rows left-padded (B, L) on the model's device and their padding, checked before anything
@@ -712,32 +718,28 @@ class CausalLM:
         return self._check_ids(ids, None), offsets.to(self.device)
 
     def _stream(self, ids, offsets, max_new_tokens, sampler, eos_ids, until, prompt_lookup=0,
-                lookup_ngram=lookup.DEFAULT_NGRAM):
+                lookup_ngram=lookup.DEFAULT_NGRAM, constraint=None):
         state = self.allocate_state(ids.shape[0], ids.shape[1] + max_new_tokens - 1)  # the last token is not fed
         state.offsets.copy_(offsets)
         eos = torch.tensor(list(eos_ids), dtype=torch.long, device=self.device)
+        prompts = [row[offset:].tolist() for row, offset in zip(ids, offsets.tolist())]  # the real tokens
+        decoder = Decoder.build(sampler, prompts, self.vocab_size, self.device, constraint=constraint)
         if prompt_lookup:
-            return lookup.decode(self, ids, state, max_new_tokens, sampler, eos, until, prompt_lookup, lookup_ngram)
-        return self._decode(ids, state, max_new_tokens, sampler, eos, until)
+            return lookup.decode(self, ids, state, max_new_tokens, decoder, eos, until, prompt_lookup, lookup_ngram)
+        return self._decode(ids, state, max_new_tokens, decoder, eos, until)
 
     @torch.no_grad()
-    def _decode(self, ids, state, max_new_tokens, sampler, eos, until):
+    def _decode(self, ids, state, max_new_tokens, decoder, eos, until):
         B = ids.shape[0]
-        generator = sampler.generator(self.device)
-        seen = None
-        if sampler.repetition_penalty != 1:  # the prompt's real tokens, then every token made
-            real = torch.arange(ids.shape[1], device=self.device)[None] >= state.offsets[:, None]
-            seen = torch.zeros(B, self.vocab_size, dtype=torch.bool, device=self.device)
-            seen.scatter_(1, torch.where(real, ids, ids[:, -1:]), True)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         logits = self._run(ids, state, last_only=True)
         threads = Threads() if self.device.type == "cpu" else None
         try:
             for i in range(max_new_tokens):
-                tokens = sampler(logits[:, -1], seen, generator).to(self.device).masked_fill(done, -1)
-                if seen is not None:
-                    seen[~done, tokens[~done]] = True
+                tokens = decoder.choose(logits[:, -1], done)
                 done |= torch.isin(tokens, eos)
+                if decoder.ended is not None:
+                    done |= decoder.ended
                 if until is not None:
                     done |= until(tokens)
                 yield tokens

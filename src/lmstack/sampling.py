@@ -1,8 +1,8 @@
 """Choosing the next token, and the text a generation shows as it goes.
 
-`Sampler` turns logits into tokens (greedy by default; repetition penalty, temperature, top-k,
-top-p, min-p applied in the order transformers applies them). `TextStream` turns a growing list of
-tokens into text pieces that never split a UTF-8 character and never show the start of a stop
+`Sampler` turns processed logits into tokens (greedy by default; temperature, top-k, top-p, min-p applied
+in the order transformers applies them; decoding.Decoder applies the penalties before it). `TextStream` turns
+a growing list of tokens into text pieces that never split a UTF-8 character and never show the start of a stop
 string before it is known not to be one. `stream_text` and `generate_text` put them around
 `CausalLM.stream` for prompts given as text.
 """
@@ -67,23 +67,15 @@ class Sampler:
             generator.manual_seed(self.seed)
         return generator
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None, generator) -> torch.Tensor:
-        """Next tokens (B,) from logits (B, vocab); `seen` (B, vocab) marks the tokens the penalty applies to."""
+    def draw(self, logits: torch.Tensor, generator) -> torch.Tensor:
+        """Next tokens (B,) from processed float32 logits (B, vocab) (decoding.Decoder applies the penalties)."""
         if self.greedy:
-            return self.penalize(logits.float(), seen).argmax(-1)  # float32: as transformers, and faster
-        probs = self.filter(logits, seen).softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            return logits.argmax(-1)
+        return torch.multinomial(self.warp(logits).softmax(-1), 1, generator=generator)[:, 0]
 
-    def penalize(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
-        """The repetition penalty: seen tokens' positive logits divided by it, negative ones multiplied."""
-        if seen is None or self.repetition_penalty == 1:
-            return logits
-        penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
-        return torch.where(seen, penalized, logits)
-
-    def filter(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 logits sampling draws from: penalized, tempered, and -inf outside top-k/top-p/min-p."""
-        logits = self.penalize(logits.float(), seen) / self.temperature
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from: tempered, and -inf outside top-k/top-p/min-p."""
+        logits = logits / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
@@ -149,15 +141,22 @@ def _eos(lm, tokenizer, eos_ids) -> tuple:
     return tuple(dict.fromkeys((*lm.eos_ids, *tokenizer.eos_ids))) if eos_ids is None else tuple(eos_ids)
 
 
-def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None,
-               **sampling) -> Iterator[list[str]]:
+def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos_ids=None, json_schema=None,
+               regex=None, grammar=None, **sampling) -> Iterator[list[str]]:
     """Each step's text pieces, one per prompt (maybe empty), and last the text still held back.
 
-    Rows stop as `stream_text` says; prompts are text or token ids, of any lengths.
+    Rows stop as `stream_text` says; prompts are text or token ids, of any lengths. `json_schema` (a dict or
+    its JSON text), `regex` or `grammar` (Lark, llguidance's dialect) constrain the text: a row ends when it is
+    complete (grammar.py; a schema feature that cannot be enforced is a GrammarError).
     """
     ids = [tokenizer.encode(p) if isinstance(p, (str, bytes)) else list(p) for p in prompts]
     streams = [TextStream(tokenizer, stop) for _ in ids]
     eos = _eos(lm, tokenizer, eos_ids)
+    if json_schema is not None or regex is not None or grammar is not None:
+        from .grammar import compile
+
+        sampling["constraint"] = compile(tokenizer, lm.vocab_size, json_schema=json_schema, regex=regex,
+                                         lark=grammar, eos_ids=_eos(lm, tokenizer, None))
     pieces = []
 
     def until(tokens):
@@ -173,7 +172,8 @@ def stream_text(lm, tokenizer, prompt, max_new_tokens: int = 64, *, stop=(), eos
     """The continuation of one prompt (text, or token ids) in pieces, as they are made.
 
     It ends at one of `eos_ids` (default: the model's and the tokenizer's EOS ids; the EOS text is not
-    shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields.
+    shown), just before a `stop` string, or after `max_new_tokens`. `sampling`: Sampler's fields, and
+    json_schema, regex or grammar (see text_steps).
     """
     for (piece,) in text_steps(lm, tokenizer, [prompt], max_new_tokens, stop=stop, eos_ids=eos_ids, **sampling):
         if piece:

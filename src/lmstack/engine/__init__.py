@@ -6,7 +6,7 @@
                                     # end with EngineError); `with Engine(...) as engine:` does both
     handle = engine.add(prompt_ids, *, max_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None,
-                        stop=(), eos_ids=None)
+                        stop=(), eos_ids=None, constraint=None, logprobs=None, sample_of=None)
     for token_id in handle: ...     # blocks until each token is made; without start(), iterating steps the engine
     async for token_id in handle: ...          # for asyncio: awaits a future the engine resolves, no polling
     handle.text_pieces()            # the text as it is released (needs the tokenizer)
@@ -25,7 +25,11 @@ prompt_tokens, completion_tokens, tokens (the ids so far), text, time_to_first_t
 token_times (time.monotonic() of each token; time_between_tokens their gaps). eos_ids None means the model's
 and the tokenizer's EOS ids. Sampling options are `Sampler`'s (sampling.py); presence and frequency penalties
 apply to the completion's tokens, as in OpenAI's API; a seed makes a request's samples the same whatever runs
-beside it.
+beside it. Every token is chosen by the request's decoding.Decoder: penalties, then the `constraint`'s mask (a
+grammar.Grammar; the request ends, "stop", when the grammar is complete, and a grammar that fails ends only its
+own request, "error"), then the sampler. `logprobs=k` records each token's log-probability and its k best
+alternatives in `handle.logprobs` ([(logprob, [(id, logprob)])]). `sample_of=handle` marks another sample of the
+same prompt (OpenAI's n): it starts once that one's prompt is computed and shares its full KV blocks.
 
 Each step the scheduler (scheduler.py) gives every running sequence one decode token and prompts chunks of
 at most max_prefill_tokens in all, admits waiting requests while fewer than max_running run (a prompt that fits

@@ -9,6 +9,7 @@ import time
 import torch
 
 from .. import memory
+from ..decoding import Decoder
 from ..sampling import Sampler, TextStream
 from ..threads import Threads, release_team
 from .kv_cache import BlockPool
@@ -50,8 +51,8 @@ def _positive_int(name: str, value):
 class Handle:
     """One request: iterate it (sync or async) for its token ids as they are made."""
 
-    def __init__(self, engine, seq: Seq, max_tokens: int, sampler: Sampler, penalties: tuple, eos: frozenset,
-                 text: TextStream | None):
+    def __init__(self, engine, seq: Seq, max_tokens: int, decoder: Decoder, eos: frozenset, text: TextStream | None,
+                 logprobs: int | None = None):
         self._engine, self._seq = engine, seq
         self.prompt_tokens, self.max_tokens = seq.n_prompt, max_tokens
         self.tokens: list[int] = []  # the completion's token ids
@@ -60,9 +61,9 @@ class Handle:
         self.error: EngineError | None = None
         self.created = time.monotonic()
         self.token_times: list[float] = []  # time.monotonic() at each token
-        self._sampler, self._generator = sampler, sampler.generator(engine.model.device)
-        self._presence, self._frequency = penalties
-        self._eos, self._text = eos, text
+        self.logprobs: list[tuple] | None = [] if logprobs is not None else None  # per token: (logprob, top)
+        self._decoder, self._top = decoder, logprobs
+        self.eos, self._text = eos, text  # eos: the ids that end it (never shown as text)
         self._cond = threading.Condition()
         self._waiters: list = []  # (loop, future) of async iterators waiting for the next token
 
@@ -141,6 +142,14 @@ class Handle:
     def __aiter__(self):
         return self._aiterate(self.tokens)
 
+    async def atoken_ranges(self):
+        """For async for: (start, end) of the tokens made since the last range (all made meanwhile, if behind);
+        tokens[start:end], pieces[start:end] and logprobs[start:end] are theirs."""
+        start = 0
+        async for pieces in self._aiterate(self.pieces, together=True):
+            yield start, start + len(pieces)
+            start += len(pieces)
+
     async def atext_chunks(self):
         """For async for: the text released since the last chunk, so a caller that falls behind the engine (a
         server streaming to many clients) gets the pieces made meanwhile as one."""
@@ -150,22 +159,25 @@ class Handle:
 
     # ---- engine side -------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor) -> int:
-        logits, seen = logits[None], None
-        if self._presence or self._frequency:  # over the completion, as OpenAI's API defines them
-            made = torch.tensor(self.tokens, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(made, minlength=logits.shape[-1])[None].float()
-            logits = logits - self._presence * (counts > 0) - self._frequency * counts
-        if self._sampler.repetition_penalty != 1:  # over the prompt and the completion, as transformers does
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen[0, torch.tensor(self._seq.tokens, device=logits.device)] = True
-        return int(self._sampler(logits, seen, self._generator))
+    def _sample(self, logits: torch.Tensor) -> tuple[int, bool]:
+        """The next token through the request's decoder, and whether its constraint is now complete."""
+        token = int(self._decoder.choose(logits[None])[0])
+        if self.logprobs is not None:
+            logprobs = self._decoder.logprobs()[0]
+            top = logprobs.topk(self._top) if self._top else None
+            self.logprobs.append((float(logprobs[token]), [] if top is None else  # a masked-out token is no option
+                                  [(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > -math.inf]))
+        ended = self._decoder.ended
+        return token, bool(ended is not None and ended[0])
 
-    def _push(self, token: int) -> str | None:
-        """Record a token; the finish reason it brings, if any."""
+    def _push(self, token: int, ended: bool = False) -> str | None:
+        """Record a token (ended: its constraint is complete); the finish reason it brings, if any."""
         reason = None
         piece = ""
-        if token in self._eos:
+        if token in self.eos:
+            reason = "stop"
+        elif ended:
+            piece = self._text.push(token) if self._text is not None else ""
             reason = "stop"
         elif self._text is not None:
             piece = self._text.push(token)
@@ -300,8 +312,16 @@ class Engine:
 
     def add(self, prompt_ids, *, max_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(),
-            eos_ids=None) -> Handle:
-        """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed)."""
+            eos_ids=None, logit_bias=None, constraint=None, logprobs: int | None = None,
+            sample_of: Handle | None = None) -> Handle:
+        """Queue a request; ValueError naming the field if it is bad (nothing else is disturbed).
+
+        `logit_bias`: {token id: number in [-100, 100]} added to those logits, as OpenAI's field.
+        `constraint`: a grammar.Grammar its tokens must follow (it ends, "stop", when the grammar is complete).
+        `logprobs`: record each token's log-probability and that many top alternatives (handle.logprobs).
+        `sample_of`: the handle of another sample of the same prompt_ids (OpenAI's n): this one starts once that
+        one's prompt is computed, and shares its KV blocks.
+        """
         if self._closed:
             raise EngineError("the engine is closed")
         prompt = self._check_prompt(prompt_ids)
@@ -326,14 +346,30 @@ class Engine:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(model, tokenizer))")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= self.model.vocab_size):
+            raise ValueError(f"logprobs must be an integer in [0, {self.model.vocab_size}], got {logprobs!r}")
+        for token, value in (logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.model.vocab_size:
+                raise ValueError(f"logit_bias holds {token!r}, not a token id in [0, {self.model.vocab_size})")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not -100 <= value <= 100):
+                raise ValueError(f"logit_bias of token {token} must be a number in [-100, 100], got {value!r}")
         text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         eos = frozenset(self._eos_ids(eos_ids))
+        decoder = Decoder.build(sampler, [prompt], self.model.vocab_size, self.model.device,
+                                presence=presence_penalty, frequency=frequency_penalty, logit_bias=logit_bias,
+                                constraint=constraint)
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")
             seq = Seq(self._arrivals, prompt, len(prompt))
+            if sample_of is not None:
+                if sample_of._seq.tokens[:sample_of._seq.n_prompt] != prompt:
+                    raise ValueError("sample_of is a request of other prompt_ids")
+                seq.leader = sample_of._seq
             self._arrivals += 1
-            handle = Handle(self, seq, max_tokens, sampler, (presence_penalty, frequency_penalty), eos, text)
+            handle = Handle(self, seq, max_tokens, decoder, eos, text, logprobs)
             self._incoming.append(handle)
             self._wake.notify_all()
         return handle
@@ -402,9 +438,13 @@ class Engine:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
         for seq, logits in results:
             handle = self._handles[seq]
-            token = handle._sample(logits)
+            try:
+                token, ended = handle._sample(logits)
+            except Exception as error:  # its own constraint failed: that request ends, the others go on
+                self._end(handle, "error", EngineError(f"choosing the next token failed: {error}"))
+                continue
             seq.tokens.append(token)
-            reason = handle._push(token)
+            reason = handle._push(token, ended)
             if reason is not None:
                 self._end(handle, reason)
 

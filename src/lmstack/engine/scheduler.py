@@ -24,6 +24,11 @@ class Seq:
     n_computed: int = 0  # tokens whose keys and values (or recurrent state) are computed
     kv: Sequence = field(default_factory=Sequence)
     slot: int | None = None  # recurrent models: the state slot it holds while running
+    leader: "Seq | None" = None  # another sample of the same prompt: its prefilled blocks are shared
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_computed < self.n_prompt
 
     def __lt__(self, other):
         return self.arrival < other.arrival
@@ -105,6 +110,8 @@ class Scheduler:
         the budget whole); the budget left."""
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
+            if self.pool is not None and seq.leader in self.running and seq.leader.prefilling:
+                break  # once its leader's prompt is computed, its full blocks are found in the prefix cache
             hits = []
             if self.pool is not None:  # a cached prefix, short of the last token, whose logits are needed
                 hits = self.pool.match(seq.tokens[:len(seq.tokens) - 1])

@@ -14,10 +14,12 @@ import logging
 import socket
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
 import anyio
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
@@ -28,9 +30,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import grammar
 from ..engine import Engine, EngineError
 from ..tokenizer import TokenizerError
 from . import protocol as p
+from . import tools
 
 log = logging.getLogger("lmstack.server")
 
@@ -39,6 +43,7 @@ MAX_TOKENS_LIMIT = 4096
 MAX_WAITING = 64
 SEND_BUFFER = 1 << 16  # bytes of a stream the server holds for a client that is not reading: socket and uvicorn each
 SEND_TIMEOUT = 5.0  # seconds a stream waits for room in a full send buffer before it cuts the client off
+PROMPT_CHUNK = 256  # prompt tokens per forward when scoring a prompt (echo with logprobs)
 TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 
 
@@ -47,9 +52,12 @@ class Service:
 
     def __init__(self, name: str, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  max_tokens_limit: int = MAX_TOKENS_LIMIT, max_waiting: int = MAX_WAITING,
-                 cors_origins: tuple = (), allow_special_in_messages: bool = False, send_buffer: int = SEND_BUFFER,
+                 cors_origins: tuple = (), tool_call_parser: str | None = None,
+                 allow_special_in_messages: bool = False, send_buffer: int = SEND_BUFFER,
                  send_timeout: float = SEND_TIMEOUT):
-        self.name, self.api_key = name, api_key
+        if tool_call_parser is not None:
+            tools.parser_for(None, tool_call_parser)  # refuse an unknown name before the model loads
+        self.name, self.api_key, self.tool_call_parser = name, api_key, tool_call_parser
         self.max_body_bytes, self.max_tokens_limit, self.max_waiting = max_body_bytes, max_tokens_limit, max_waiting
         self.cors_origins = tuple(cors_origins)
         self.allow_special_in_messages = allow_special_in_messages
@@ -58,6 +66,7 @@ class Service:
         self.tokenizer = None
         self.max_running = 0
         self.in_flight = 0  # requests handed to the engine and not yet finished
+        self._forward_lock = threading.Lock()
         self.created = p.now()
         self.registry = CollectorRegistry()
         self.requests = Counter("lmstack_requests", "HTTP requests answered", ["route", "status"],
@@ -77,6 +86,8 @@ class Service:
         """Start an engine on the loaded model (engine_options: Engine's); the routes serve from now on."""
         engine = Engine(model, tokenizer, max_running=max_running, **engine_options)
         engine.start()
+        self.parser = tools.parser_for(tokenizer.chat_template, self.tool_call_parser)
+        self.eos_ids = tuple(dict.fromkeys((*model.eos_ids, *tokenizer.eos_ids)))
         self.max_running, self.tokenizer, self.engine = max_running, tokenizer, engine
 
     def public(self, message: str) -> str:
@@ -106,8 +117,9 @@ class Service:
     def context(self) -> int | None:
         return self.engine.model.max_positions
 
-    def submit(self, ids: list[int], request, param: str):
-        """Hand a tokenized request to the engine, or an APIError saying why not."""
+    def submit(self, ids: list[int], request, param: str, **options) -> list:
+        """Hand a tokenized request to the engine, one handle per choice (n), or an APIError saying why not.
+        options: Engine.add's (constraint, logprobs)."""
         context, limit = self.context, request.token_limit
         field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         if context is not None and len(ids) >= context:
@@ -125,18 +137,54 @@ class Service:
             raise p.APIError(400, f"the prompt is {len(ids)} tokens and {field} is {limit}: {len(ids) + limit} in "
                                   f"all, over the model's context of {context} tokens", param=field,
                              code="context_length_exceeded")
-        if self.in_flight >= self.max_running + self.max_waiting:
+        n = request.choices
+        if self.in_flight + n > self.max_running + self.max_waiting:
             raise p.APIError(429, f"the queue is full: {self.in_flight} requests in flight (lmstack serve "
                                   f"--max-running {self.max_running} --max-waiting {self.max_waiting})",
                              code="queue_full", headers={"Retry-After": "1"})
+        sampling = request.engine_options()
+        handles = []
         try:
-            handle = self.engine.add(ids, max_tokens=limit, **request.engine_options())
+            for i in range(n):  # each choice its own random stream; a seed gives seed, seed + 1, ...
+                seed = sampling["seed"] if sampling["seed"] is None else (sampling["seed"] + i) % (1 << 64)
+                handles.append(self.engine.add(ids, max_tokens=limit, **{**sampling, "seed": seed}, **options,
+                                               sample_of=handles[0] if handles else None))
         except ValueError as e:
+            for handle in handles:
+                handle.abort()
             raise p.APIError(400, str(e)) from None
         except EngineError as e:
             raise p.APIError(503, f"the server is shutting down ({e})") from None
-        self.in_flight += 1
-        return handle
+        self.in_flight += n
+        return handles
+
+    async def constraint(self, param: str, **grammar_source):
+        """The compiled grammar.Grammar of a json_schema, regex or lark, compiled off the event loop; a grammar
+        that cannot be enforced or compiled in time is a 400 naming `param`."""
+        try:
+            return await asyncio.to_thread(grammar.compile, self.tokenizer, self.engine.model.vocab_size,
+                                           eos_ids=self.eos_ids, **grammar_source)
+        except grammar.GrammarError as e:
+            raise p.APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
+
+    async def prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """[(logprob, top)] of each prompt token after the first, given the ones before it (one forward, off the
+        event loop, one prompt at a time)."""
+        def run():
+            model, out = self.engine.model, []
+            with self._forward_lock, torch.no_grad():
+                state = model.allocate_state(1, len(ids))
+                for start in range(0, len(ids) - 1, PROMPT_CHUNK):  # (chunk, vocab) logits at a time
+                    chunk = ids[start:min(start + PROMPT_CHUNK, len(ids) - 1)]
+                    logits = model.forward(torch.tensor([chunk]), state)[0].float().log_softmax(-1)
+                    nexts = torch.tensor(ids[start + 1:start + 1 + len(chunk)])
+                    chosen = logits.gather(1, nexts[:, None])[:, 0].tolist()
+                    best = logits.topk(top) if top else None
+                    out += [(lp, [] if best is None else list(zip(best.indices[j].tolist(), best.values[j].tolist())))
+                            for j, lp in enumerate(chosen)]
+            return out
+
+        return await asyncio.to_thread(run)
 
     def finished(self, handle):
         self.in_flight -= 1
@@ -190,17 +238,19 @@ class _Record:
         self.route = request.url.path
         self.method = request.method
         self.status = 200
-        self.handle = None
+        self.handles = []
 
 
 def _finish(service: Service, record: _Record):
-    handle = record.handle
     tokens = ""
-    if handle is not None:
+    for handle in record.handles:
         service.finished(handle)
+    if record.handles:
+        handle = record.handles[0]
         ttft = handle.time_to_first_token
-        tokens = (f" prompt={handle.prompt_tokens} completion={handle.completion_tokens} "
-                  f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} finish={handle.finish_reason}")
+        tokens = (f" prompt={handle.prompt_tokens} completion={sum(h.completion_tokens for h in record.handles)} "
+                  f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} "
+                  f"finish={','.join(str(h.finish_reason) for h in record.handles)}")
     service.requests.labels(record.route, str(record.status)).inc()
     log.info('%s "%s %s" %d%s %.3fs', record.client, record.method, record.route, record.status, tokens,
              time.perf_counter() - record.start)
@@ -238,57 +288,125 @@ def create_app(service: Service) -> Starlette:
     async def chat(request: Request, record: _Record):
         req = p.parse(p.ChatCompletionRequest, await _body(request, service.max_body_bytes))
         _check_model(service, req.model)
+        parser, lark = _tool_plan(service, req)
         ids = _chat_ids(service, req.messages, req.template_tools())
-        record.handle = handle = service.submit(ids, req, "messages")
+        top = req.top
+        constraint = None
+        if lark is not None:
+            constraint = await service.constraint("tools", lark=lark)
+        elif req.response_format is not None and req.response_format.type != "text":
+            schema = (req.response_format.json_schema.schema_ if req.response_format.type == "json_schema"
+                      else {"type": "object"})
+            constraint = await service.constraint("response_format", json_schema=schema)
+        record.handles = handles = service.submit(ids, req, "messages", constraint=constraint, logprobs=top)
         ident, created = p.new_id("chatcmpl"), p.now()
 
-        def chunk(delta: p.Delta, finish=None, usage=None) -> str:
-            c = p.ChatCompletionChunk(id=ident, created=created, model=service.name, usage=usage,
-                                      choices=[] if delta is None else [p.ChatChunkChoice(delta=delta,
-                                                                                          finish_reason=finish)])
+        def chunk(index: int, delta: p.Delta | None, finish=None, usage=None, logprobs=None) -> str:
+            choices = [] if delta is None else [p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                                                  logprobs=logprobs)]
+            c = p.ChatCompletionChunk(id=ident, created=created, model=service.name, usage=usage, choices=choices)
             return c.model_dump_json(exclude=None if req.include_usage else {"usage"})
+
+        def logprobs(handle, start, end):
+            return None if top is None else p.ChoiceLogprobs(content=_token_logprobs(service, handle, start, end))
 
         if req.stream:
             async def chunks():
-                yield chunk(p.Delta(role="assistant", content=""))
-                async for piece in handle.atext_chunks():
-                    yield chunk(p.Delta(content=piece))
-                yield chunk(p.Delta(), finish=handle.finish_reason)
+                streams = [tools.ToolStream(parser) if parser else None for _ in handles]
+                made = [0] * len(handles)  # tool calls sent, per choice
+                for i in range(len(handles)):
+                    yield chunk(i, p.Delta(role="assistant", content=""))
+                async for i, span in _merged(handles):
+                    handle, stream = handles[i], streams[i]
+                    if span is not None:
+                        text = "".join(handle.pieces[span[0]:span[1]])
+                        content, calls = stream.feed(text) if stream else (text, [])
+                    else:
+                        content, calls = stream.finish() if stream else ("", [])
+                    if content or calls or (span is not None and top is not None):
+                        deltas = [p.DeltaToolCall(index=made[i] + k, id=tools.call_id(), type="function",
+                                                  function=p.DeltaFunction(name=name, arguments=arguments))
+                                  for k, (name, arguments) in enumerate(calls)]
+                        made[i] += len(calls)
+                        yield chunk(i, p.Delta(content=content or None, tool_calls=deltas or None),
+                                    logprobs=None if span is None else logprobs(handle, *span))
+                    if span is None:
+                        yield chunk(i, p.Delta(), finish="tool_calls" if made[i] else handle.finish_reason)
                 if req.include_usage:
-                    yield chunk(None, usage=p.Usage.of(handle))
+                    yield chunk(0, None, usage=p.Usage.of(*handles))
 
             return _EventStream(service, record, chunks())
-        text = await _collect(service, request, handle)
-        return JSONResponse(p.ChatCompletion(
-            id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
-            choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=handle.finish_reason)],
-        ).model_dump())
+        texts = await _collect(service, request, handles)
+        choices = []
+        for i, (handle, text) in enumerate(zip(handles, texts)):
+            content, calls = parser.parse(text) if parser else (text, [])
+            message = p.AssistantMessage(content=content, tool_calls=[
+                p.ToolCall(id=tools.call_id(), function=p.FunctionCall(name=name, arguments=arguments))
+                for name, arguments in calls] or None)
+            choices.append(p.ChatChoice(index=i, message=message, logprobs=logprobs(handle, 0, len(handle.tokens)),
+                                        finish_reason="tool_calls" if calls else handle.finish_reason))
+        return JSONResponse(p.ChatCompletion(id=ident, created=created, model=service.name,
+                                             usage=p.Usage.of(*handles), choices=choices).model_dump())
 
     async def completions(request: Request, record: _Record):
         req = p.parse(p.CompletionRequest, await _body(request, service.max_body_bytes))
         _check_model(service, req.model)
         ids = req.prompt if isinstance(req.prompt, list) else _encode(service, req.prompt, "prompt")
-        record.handle = handle = service.submit(ids, req, "prompt")
+        top = req.top
+        record.handles = handles = service.submit(ids, req, "prompt", logprobs=top)  # the lengths checked
+        echoed = None  # with echo: the prompt's text and, with logprobs, its tokens' log-probabilities
+        if req.echo:
+            try:
+                echoed = (service.tokenizer.decode(ids),
+                          None if top is None else await service.prompt_logprobs(ids, top))
+            except BaseException:
+                for handle in handles:
+                    handle.abort()
+                raise
         ident, created = p.new_id("cmpl"), p.now()
 
-        def chunk(text: str | None, finish=None, usage=None) -> str:
-            c = p.Completion(id=ident, created=created, model=service.name, usage=usage,
-                             choices=[] if text is None else [p.CompletionChoice(text=text, finish_reason=finish)])
+        def chunk(index: int, text: str | None, finish=None, usage=None, logprobs=None) -> str:
+            choices = [] if text is None else [p.CompletionChoice(index=index, text=text, finish_reason=finish,
+                                                                  logprobs=logprobs)]
+            c = p.Completion(id=ident, created=created, model=service.name, usage=usage, choices=choices)
             return c.model_dump_json(exclude=None if req.include_usage else {"usage"})
+
+        def logprobs(handle, start, end, offset, with_prompt=False):
+            if top is None:
+                return None
+            entries = _completion_entries(service, handle, start, end)
+            if with_prompt:
+                entries = _prompt_entries(service, ids, echoed[1]) + entries
+            return _completion_logprobs(entries, offset)
 
         if req.stream:
             async def chunks():
-                async for piece in handle.atext_chunks():
-                    yield chunk(piece)
-                yield chunk("", finish=handle.finish_reason)
+                sent = [0] * len(handles)  # characters sent per choice, for text_offset
+                if echoed is not None:
+                    for i in range(len(handles)):
+                        yield chunk(i, echoed[0], logprobs=None if top is None else _completion_logprobs(
+                            _prompt_entries(service, ids, echoed[1]), 0))
+                        sent[i] = len(echoed[0])
+                async for i, span in _merged(handles):
+                    handle = handles[i]
+                    if span is None:
+                        yield chunk(i, "", finish=handle.finish_reason)
+                        continue
+                    text = "".join(handle.pieces[span[0]:span[1]])
+                    if text or top is not None:
+                        yield chunk(i, text, logprobs=logprobs(handle, *span, sent[i]))
+                        sent[i] += len(text)
                 if req.include_usage:
-                    yield chunk(None, usage=p.Usage.of(handle))
+                    yield chunk(0, None, usage=p.Usage.of(*handles))
 
             return _EventStream(service, record, chunks())
-        text = await _collect(service, request, handle)
-        return JSONResponse(p.Completion(
-            id=ident, created=created, model=service.name, usage=p.Usage.of(handle),
-            choices=[p.CompletionChoice(text=text, finish_reason=handle.finish_reason)]).model_dump())
+        texts = await _collect(service, request, handles)
+        prefix = echoed[0] if echoed is not None else ""
+        choices = [p.CompletionChoice(index=i, text=prefix + text, finish_reason=handle.finish_reason,
+                                      logprobs=logprobs(handle, 0, len(handle.tokens), 0, with_prompt=req.echo))
+                   for i, (handle, text) in enumerate(zip(handles, texts))]
+        return JSONResponse(p.Completion(id=ident, created=created, model=service.name,
+                                         usage=p.Usage.of(*handles), choices=choices).model_dump())
 
     async def models(request: Request, record: _Record):
         card = p.ModelCard(id=service.name, created=service.created, max_model_len=service.context)
@@ -301,7 +419,8 @@ def create_app(service: Service) -> Starlette:
         if (req.prompt is None) == (req.messages is None):
             raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = _chat_ids(service, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt)
+            listed = None if req.tools is None else [tool.model_dump(exclude_none=True) for tool in req.tools]
+            ids = _chat_ids(service, req.messages, listed, add_generation_prompt=req.add_generation_prompt)
         else:
             ids = _encode(service, req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": service.context})
@@ -395,12 +514,13 @@ async def _until_disconnect(request: Request):
         pass
 
 
-async def _collect(service: Service, request: Request, handle) -> str:
-    """The whole text of a request, aborting it if the client leaves first."""
-    async def text():
+async def _collect(service: Service, request: Request, handles) -> list[str]:
+    """The whole text of each choice of a request, aborting them if the client leaves first."""
+    async def text(handle):
         return "".join([piece async for piece in handle.atext_chunks()])
 
-    collect, gone = asyncio.ensure_future(text()), asyncio.ensure_future(_until_disconnect(request))
+    collect = asyncio.ensure_future(asyncio.gather(*(text(handle) for handle in handles)))
+    gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
@@ -411,8 +531,113 @@ async def _collect(service: Service, request: Request, handle) -> str:
     finally:
         for task in (collect, gone):
             task.cancel()
-        if handle.finish_reason is None:
-            handle.abort()
+        for handle in handles:
+            if handle.finish_reason is None:
+                handle.abort()
+
+
+async def _merged(handles):
+    """(choice index, (start, end)) for the tokens each choice makes, as they come; (index, None) when it ends."""
+    queue = asyncio.Queue()
+
+    async def follow(i, handle):
+        try:
+            async for span in handle.atoken_ranges():
+                await queue.put((i, span, None))
+            await queue.put((i, None, None))
+        except EngineError as e:
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.ensure_future(follow(i, handle)) for i, handle in enumerate(handles)]
+    try:
+        for _ in range(len(handles)):
+            while True:
+                i, span, error = await queue.get()
+                if error is not None:
+                    raise error
+                yield i, span
+                if span is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _tool_plan(service: Service, req) -> tuple:
+    """(the parser of the answer's tool calls or None, the Lark grammar its calls must follow or None), after
+    checking tool_choice against tools."""
+    choice, offered = req.tool_choice, req.tools
+    if choice is not None and not offered:
+        raise p.APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+    if not offered or choice == "none":
+        return None, None
+    names = [tool.function.name for tool in offered]
+    if len(set(names)) != len(names):
+        raise p.APIError(400, f"tools: function names must be unique, got {names}", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise p.APIError(400, "response_format and tools both constrain the answer: give one of them (or "
+                              "tool_choice 'none')", param="response_format")
+    parallel = req.parallel_tool_calls is not False
+    listed = req.template_tools()
+    if isinstance(choice, p.NamedToolChoice):
+        if choice.function.name not in names:
+            raise p.APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the "
+                                  f"tools ({', '.join(names)})", param="tool_choice")
+        wanted = [tool for tool in listed if tool["function"]["name"] == choice.function.name]
+        return service.parser, service.parser.required(wanted, parallel=False)
+    if choice == "required":
+        return service.parser, service.parser.required(listed, parallel)
+    return service.parser, service.parser.auto(listed, parallel)
+
+
+def _token_text(service: Service, token: int) -> tuple[str, list[int]]:
+    data = service.tokenizer.decode_bytes([token]) if hasattr(service.tokenizer, "decode_bytes") else None
+    return service.tokenizer.decode([token]), list(data) if data is not None else []
+
+
+def _token_logprobs(service: Service, handle, start: int, end: int) -> list:
+    """Chat's logprobs content of the tokens start:end (EOS, never shown, left out)."""
+    out = []
+    for token, (logprob, top) in zip(handle.tokens[start:end], handle.logprobs[start:end]):
+        if token in handle.eos:
+            continue
+        text, data = _token_text(service, token)
+        alternatives = []
+        for other, other_logprob in top:
+            other_text, other_data = _token_text(service, other)
+            alternatives.append(p.TopLogprob(token=other_text, logprob=other_logprob, bytes=other_data))
+        out.append(p.TokenLogprob(token=text, logprob=logprob, bytes=data, top_logprobs=alternatives))
+    return out
+
+
+def _completion_entries(service: Service, handle, start: int, end: int) -> list:
+    """(text, logprob, [(text, logprob)] alternatives) of the tokens start:end (EOS left out)."""
+    return [_entry(service, token, logprob, top)
+            for token, (logprob, top) in zip(handle.tokens[start:end], handle.logprobs[start:end])
+            if token not in handle.eos]
+
+
+def _prompt_entries(service: Service, ids: list[int], scored: list) -> list:
+    """The prompt's tokens: the first predicted by nothing (None), then each given the ones before."""
+    return [(service.tokenizer.decode([ids[0]]), None, None)] + [
+        _entry(service, token, logprob, top) for token, (logprob, top) in zip(ids[1:], scored)]
+
+
+def _entry(service: Service, token: int, logprob: float, top: list) -> tuple:
+    decode = service.tokenizer.decode
+    return decode([token]), logprob, [(decode([other]), other_logprob) for other, other_logprob in top]
+
+
+def _completion_logprobs(entries: list, offset: int) -> p.CompletionLogprobs:
+    """Completions' logprobs: tokens, their log-probabilities, top alternatives as {text: logprob}, offsets."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for text, logprob, top in entries:
+        tokens.append(text)
+        logprobs.append(logprob)
+        tops.append(None if top is None else dict(top))
+        offsets.append(offset)
+        offset += len(text)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
 
 class _Stalled(Exception):
@@ -451,7 +676,7 @@ class _EventStream(StreamingResponse):
             raise _Stalled
 
     async def __call__(self, scope, receive, send):
-        handle = self.record.handle
+        handles = self.record.handles
         transport = scope.get("lmstack.transport")
         if transport is not None:
             _bound_buffers(transport, self.service.send_buffer)
@@ -473,12 +698,13 @@ class _EventStream(StreamingResponse):
 
                 group.start_soon(stream)
                 await self.listen_for_disconnect(receive)
-                if handle.finish_reason is None:
+                if any(handle.finish_reason is None for handle in handles):
                     self.record.status = 499
                 group.cancel_scope.cancel()
         finally:
-            if handle.finish_reason is None:
-                handle.abort()
+            for handle in handles:
+                if handle.finish_reason is None:
+                    handle.abort()
             _finish(self.service, self.record)
 
 

@@ -1,0 +1,113 @@
+"""The one place a token is chosen: logits processors in order, then the sampler.
+
+`CausalLM.generate` and `stream`, prompt lookup and the engine each make one `Decoder` per generation (the
+engine one per request) and hand it every step's logits. The processors rewrite the float32 logits in a fixed
+order: OpenAI's presence and frequency penalties, transformers' repetition penalty, OpenAI's logit bias, a
+grammar's mask. Then the
+sampler draws, and every processor sees the chosen tokens. A new constraint is one more processor: an object
+with `__call__(logits) -> logits` and `accept(tokens)` (tokens (B,), -1 for a row that has stopped).
+"""
+
+import torch
+
+from .sampling import Sampler
+
+
+class PresenceFrequencyPenalty:
+    """OpenAI's penalties, over the tokens made so far (not the prompt): presence once, frequency per time seen."""
+
+    def __init__(self, presence: float, frequency: float, batch: int, vocab: int, device):
+        self.presence, self.frequency = presence, frequency
+        self.counts = torch.zeros(batch, vocab, device=device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits - self.presence * (self.counts > 0) - self.frequency * self.counts
+
+    def accept(self, tokens: torch.Tensor):
+        rows = (tokens >= 0).nonzero()[:, 0]
+        self.counts[rows, tokens[rows]] += 1
+
+
+class RepetitionPenalty:
+    """transformers' penalty, over the prompt and the tokens made: a seen token's positive logit divided by it,
+    a negative one multiplied."""
+
+    def __init__(self, penalty: float, seen: torch.Tensor):
+        self.penalty, self.seen = penalty, seen  # seen: (B, vocab) bool, the prompts' tokens marked
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        penalized = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return torch.where(self.seen, penalized, logits)
+
+    def accept(self, tokens: torch.Tensor):
+        rows = (tokens >= 0).nonzero()[:, 0]
+        self.seen[rows, tokens[rows]] = True
+
+
+class LogitBias:
+    """OpenAI's logit_bias: a number added to given tokens' logits (-100 bans a token, 100 all but forces it)."""
+
+    def __init__(self, bias: dict, device):
+        self.ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_add(1, self.ids, self.values.expand(logits.shape[0], -1))
+
+    def accept(self, tokens: torch.Tensor):
+        pass
+
+
+class Decoder:
+    """A generation's token choice: its processors, its sampler and its random stream.
+
+    `choose(logits)` takes (B, vocab) logits and returns (B,) tokens; rows in `done` get -1 and are not
+    shown to the processors. `logprobs()` is the log-distribution the last tokens were drawn from (after the
+    processors and the temperature, before top-k/top-p/min-p truncation; greedy: temperature 1). `ended` marks
+    rows whose constraint is complete (no token but the end may follow).
+    """
+
+    def __init__(self, sampler: Sampler, processors=(), device="cpu"):
+        self.sampler, self.processors = sampler, [p for p in processors if p is not None]
+        self.generator = sampler.generator(device)
+        self.last: torch.Tensor | None = None
+        self.ended: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, sampler: Sampler, prompts, vocab: int, device, *, presence: float = 0.0, frequency: float = 0.0,
+              logit_bias: dict | None = None, constraint=None) -> "Decoder":
+        """The chain for rows of `prompts` (lists of token ids): the penalties asked for, the logit bias
+        ({token id: number}), then the constraint's mask (a grammar.Grammar, one matcher per row)."""
+        batch, processors = len(prompts), []
+        if presence or frequency:
+            processors.append(PresenceFrequencyPenalty(presence, frequency, batch, vocab, device))
+        if sampler.repetition_penalty != 1:
+            seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+            for row, prompt in enumerate(prompts):
+                seen[row, torch.as_tensor(list(prompt), dtype=torch.long, device=device)] = True
+            processors.append(RepetitionPenalty(sampler.repetition_penalty, seen))
+        if logit_bias:
+            processors.append(LogitBias(logit_bias, device))
+        if constraint is not None:
+            processors.append(constraint.mask(batch))
+        return cls(sampler, processors, device)
+
+    def choose(self, logits: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
+        x = logits.float()  # as transformers computes, and faster
+        for processor in self.processors:
+            x = processor(x)
+        self.last = x
+        tokens = self.sampler.draw(x, self.generator).to(logits.device)
+        if done is not None:
+            tokens = tokens.masked_fill(done, -1)
+        ended = None
+        for processor in self.processors:
+            processor.accept(tokens)
+            if (stopped := getattr(processor, "ended", None)) is not None:
+                ended = stopped.to(tokens.device)
+        self.ended = ended
+        return tokens
+
+    def logprobs(self) -> torch.Tensor:
+        """(B, vocab) float32 log-probabilities of the distribution the last tokens came from."""
+        return (self.last / (self.sampler.temperature or 1.0)).log_softmax(-1)
