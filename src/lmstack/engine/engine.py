@@ -203,7 +203,10 @@ class Handle:
         self._cond.notify_all()
         waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # its event loop has closed since: nobody is left to wake
+                pass
 
 
 def _resolve(future):
