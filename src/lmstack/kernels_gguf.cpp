@@ -466,12 +466,46 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
     for (int r = 0; r < TILE; r++) {
       const uint8_t* block = rec + r * T::BYTES;
       if (f32) {
-        dequant_block<T>(block, w);
+        // the block's weights (Q4_K, Q5_K: looked up by quant in each 32-weight sub-block's table of the 32 values
+        // a 5-bit quant can take, computed as dequant_block computes them), each row of x's products summed in
+        // four chains, added to its sums
+        constexpr bool lookup = T::SUB == 32;
+        alignas(64) uint8_t bytes[256];
+        __m512 tables[T::QK / T::SUB][2];
+        if constexpr (lookup) {
+          const Unpacked<T> u(block);
+          alignas(32) int16_t sc[16], mn[16];
+          for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+          _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
+          const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_ps(T::OFFSET));
+          for (int j = 0; j < T::QK / T::SUB; j++) {
+            const __m512 scale = _mm512_set1_ps(u.d * float(sc[j])), min = _mm512_set1_ps(u.dmin * float(mn[j]));
+            for (int h = 0; h < 2; h++) {
+              tables[j][h] = _mm512_mul_ps(scale, _mm512_add_ps(iota, _mm512_set1_ps(16 * h)));
+              if constexpr (T::MINS) tables[j][h] = _mm512_sub_ps(tables[j][h], min);
+            }
+          }
+        } else {
+          dequant_block<T>(block, w);
+        }
         for (int64_t m = 0; m < M; m++) {
           const float* xb = xf + m * K + b * T::QK;
-          __m512 a = _mm512_loadu_ps(acc + (m * TILE + r) * 16);
-          for (int i = 0; i < T::QK; i += 16) a = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), a);
-          _mm512_storeu_ps(acc + (m * TILE + r) * 16, a);
+          __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
+          for (int i = 0; i < T::QK; i += 16) {
+            __m512 wi;
+            if constexpr (lookup) {
+              const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
+              wi = _mm512_permutex2var_ps(tables[i / T::SUB][0], q, tables[i / T::SUB][1]);
+            } else {
+              wi = _mm512_load_ps(w + i);
+            }
+            part[i / 16 % 4] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
+          }
+          float* a = acc + (m * TILE + r) * 16;
+          _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(_mm512_add_ps(part[0], part[1]),
+                                                                              _mm512_add_ps(part[2], part[3]))));
         }
       } else {
         const Unpacked<T> u(block);
