@@ -275,7 +275,8 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
     return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i*)b), _mm_set1_epi8(15)));
   }
   static __m256i mins(const uint8_t* b) {
-    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4), _mm_set1_epi8(15)));
+    const __m128i v = _mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4);
+    return _mm256_cvtepu8_epi16(_mm_and_si128(v, _mm_set1_epi8(15)));
   }
   static float d(const uint8_t* b) { return half_at(b + 80); }
   static float dmin(const uint8_t* b) { return half_at(b + 82); }
@@ -319,7 +320,8 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
   static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {
     for (int c = 0; c < 4; c++)
-      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
+      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15),
+                             _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
   }
   static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
   static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
@@ -590,7 +592,8 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int64_t tiles = (N + TILE - 1) / TILE, grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
   // row m's sums for the `rows` rows of w from n, plus the bias, into y
   auto emit = [&](int64_t m, int64_t n, int64_t rows, const float* sums) {
     if (f32) {
@@ -709,7 +712,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
         const uint8_t* block = wp + (n / TILE) * KB * R + (n % TILE) * T::BYTES;
         for (int64_t b = 0; b < KB; b++, block += R) {
           dequant_block<T>(block, v);
-          for (int64_t j = 0; j < T::QK; j += 16) lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
+          for (int64_t j = 0; j < T::QK; j += 16)
+            lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
         }
       }
     });
