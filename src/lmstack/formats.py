@@ -323,7 +323,8 @@ def head_projection(weight: torch.Tensor, tied: bool) -> nn.Module:
 
 
 class GGUFBlocks(nn.Module):
-    """One GGUF tensor's blocks as stored (a type of kernels.GGUF_TYPES), grouped by tiles of rows (kernels.pack_gguf)."""
+    """One GGUF tensor's blocks as stored (a type of kernels.GGUF_TYPES), grouped by tiles of rows
+    (kernels.pack_gguf)."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, k: int):
         super().__init__()

@@ -275,7 +275,8 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
     return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i*)b), _mm_set1_epi8(15)));
   }
   static __m256i mins(const uint8_t* b) {
-    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4), _mm_set1_epi8(15)));
+    const __m128i v = _mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4);
+    return _mm256_cvtepu8_epi16(_mm_and_si128(v, _mm_set1_epi8(15)));
   }
   static float d(const uint8_t* b) { return half_at(b + 80); }
   static float dmin(const uint8_t* b) { return half_at(b + 82); }
@@ -319,7 +320,8 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
   static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {
     for (int c = 0; c < 4; c++)
-      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15), _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
+      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15),
+                             _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
   }
   static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
   static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
@@ -466,12 +468,46 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
     for (int r = 0; r < TILE; r++) {
       const uint8_t* block = rec + r * T::BYTES;
       if (f32) {
-        dequant_block<T>(block, w);
+        // the block's weights (Q4_K, Q5_K: looked up by quant in each 32-weight sub-block's table of the 32 values
+        // a 5-bit quant can take, computed as dequant_block computes them), each row of x's products summed in
+        // four chains, added to its sums
+        constexpr bool lookup = T::SUB == 32;
+        alignas(64) uint8_t bytes[256];
+        __m512 tables[T::QK / T::SUB][2];
+        if constexpr (lookup) {
+          const Unpacked<T> u(block);
+          alignas(32) int16_t sc[16], mn[16];
+          for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+          _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
+          const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_ps(T::OFFSET));
+          for (int j = 0; j < T::QK / T::SUB; j++) {
+            const __m512 scale = _mm512_set1_ps(u.d * float(sc[j])), min = _mm512_set1_ps(u.dmin * float(mn[j]));
+            for (int h = 0; h < 2; h++) {
+              tables[j][h] = _mm512_mul_ps(scale, _mm512_add_ps(iota, _mm512_set1_ps(16 * h)));
+              if constexpr (T::MINS) tables[j][h] = _mm512_sub_ps(tables[j][h], min);
+            }
+          }
+        } else {
+          dequant_block<T>(block, w);
+        }
         for (int64_t m = 0; m < M; m++) {
           const float* xb = xf + m * K + b * T::QK;
-          __m512 a = _mm512_loadu_ps(acc + (m * TILE + r) * 16);
-          for (int i = 0; i < T::QK; i += 16) a = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), a);
-          _mm512_storeu_ps(acc + (m * TILE + r) * 16, a);
+          __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
+          for (int i = 0; i < T::QK; i += 16) {
+            __m512 wi;
+            if constexpr (lookup) {
+              const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
+              wi = _mm512_permutex2var_ps(tables[i / T::SUB][0], q, tables[i / T::SUB][1]);
+            } else {
+              wi = _mm512_load_ps(w + i);
+            }
+            part[i / 16 % 4] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
+          }
+          float* a = acc + (m * TILE + r) * 16;
+          _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(_mm512_add_ps(part[0], part[1]),
+                                                                              _mm512_add_ps(part[2], part[3]))));
         }
       } else {
         const Unpacked<T> u(block);
@@ -556,7 +592,8 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int64_t tiles = (N + TILE - 1) / TILE, grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
   // row m's sums for the `rows` rows of w from n, plus the bias, into y
   auto emit = [&](int64_t m, int64_t n, int64_t rows, const float* sums) {
     if (f32) {
@@ -675,7 +712,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
         const uint8_t* block = wp + (n / TILE) * KB * R + (n % TILE) * T::BYTES;
         for (int64_t b = 0; b < KB; b++, block += R) {
           dequant_block<T>(block, v);
-          for (int64_t j = 0; j < T::QK; j += 16) lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
+          for (int64_t j = 0; j < T::QK; j += 16)
+            lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
         }
       }
     });
