@@ -521,8 +521,8 @@ def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | 
     if weight_format not in ("float32", "bfloat16"):
         return f"as {weight_format}: the projection matrices quantized on load"
     size = 4 if weight_format == "float32" else 2
-    return (f"as {weight_format}: {_size(params * size)}, every tensor dequantized: {params * size / max(stored, 1):.1f}x "
-            f"the {_size(stored)} stored")
+    return (f"as {weight_format}: {_size(params * size)}, every tensor dequantized: "
+            f"{params * size / max(stored, 1):.1f}x the {_size(stored)} stored")
 
 
 def _family_options(plan) -> list[str]:

@@ -56,6 +56,7 @@ QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
+GGUF_DENSE_BYTES = 16 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequantized for one F.linear
 INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 
@@ -348,7 +349,15 @@ class GGUFBlocks(nn.Module):
         weights dequantized in x's dtype (exactly in float32, rounded in bfloat16)."""
         if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
-        return F.linear(x, self.dense(dtype=x.dtype))
+        step = max(kernels.TILE, GGUF_DENSE_BYTES // (self.k * x.element_size()) // kernels.TILE * kernels.TILE)
+        if not self.kernel or step >= self.n:
+            return F.linear(x, self.dense(dtype=x.dtype))
+        # whole tiles of rows at a time: the whole matrix dequantized (a tied head's vocab x d_model) would take
+        # several times the blocks' memory
+        tile = kernels.TILE
+        return torch.cat([F.linear(x, kernels.gguf_dequantize(self.weight[r // tile:(r + step) // tile], self.qtype,
+                                                              min(step, self.n - r), self.k, None, x.dtype))
+                          for r in range(0, self.n, step)], dim=-1)
 
     def dense(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights (or rows of them) as float32, bit-equal to gguf.quants.dequantize (or those values rounded

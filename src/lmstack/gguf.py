@@ -4,7 +4,8 @@ The header is walked once through a small window of the file: each count and len
 the bytes that remain before anything is read or skipped, and values are only located, not decoded. A
 value is read when asked for (`get`, `array`), arrays with numpy, so a large array costs its own bytes
 and nothing more. Tensor data is read with `pread` on the descriptor opened once, never mapped: a file
-cut short while it is open is refused by name, where a mapping would die of SIGBUS.
+cut short while it is open is refused by name, where a mapping would die of SIGBUS. A large tensor is read a
+chunk of rows at a time (`data(tensor, rows)`), so loading never holds a second copy of a whole one.
 
 The architecture's family module (families/) reads the metadata as a config dict for `plan_for`, so every
 refusal stays with the family, and names the tensors: they are renamed to the Hugging Face names the plan

@@ -107,21 +107,20 @@ def _gguf_bytes(source, name: str) -> int:
     return source.nbytes(name) if as_stored else 4 * math.prod(info.shape)
 
 
-def _to_empty(block: nn.Module, device: torch.device, unread: set):
-    """block.to_empty(device) but for the parameters named in `unread`, which stay on meta: under gguf a dense
-    projection matrix would take several times its blocks, only to be dropped."""
-    if not unread:
-        block.to_empty(device=device)
-        return
-    for key, tensor in [*block.named_parameters(), *block.named_buffers()]:
-        if key not in unread:
+def _to_empty(module: nn.Module, device: torch.device, unread: set = frozenset()) -> nn.Module:
+    """module.to_empty(device), but for the parameters named in `unread`, which stay on meta (under gguf a dense
+    projection matrix would take several times its blocks, only to be dropped). Made with torch.empty: torch's
+    empty_like of a meta tensor imports sympy, 35 MB of resident memory for nothing."""
+    for key, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if key not in unread and tensor.device != device:
             owner, _, attribute = key.rpartition(".")
-            module = block.get_submodule(owner)
-            empty = torch.empty_like(tensor, device=device)
-            if attribute in module._parameters:
-                module.register_parameter(attribute, nn.Parameter(empty, requires_grad=tensor.requires_grad))
+            sub = module.get_submodule(owner)
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if isinstance(tensor, nn.Parameter):
+                sub.register_parameter(attribute, nn.Parameter(empty, requires_grad=tensor.requires_grad))
             else:
-                module.register_buffer(attribute, empty)
+                sub.register_buffer(attribute, empty)
+    return module
 
 
 def _parameter_rows(block: nn.Module, key: str, rows: slice | None) -> torch.Tensor:
@@ -384,7 +383,7 @@ class CausalLM:
         self._check_memory(source)
         first, last = self.layer_devices[0], self.layer_devices[-1]
         # a recurrent stack's final norm stays float32, like its residual stream (blocks/mamba1.py)
-        self.norm.to(dtype if plan.kind == "transformer" else torch.float32).to_empty(device=last)
+        _to_empty(self.norm.to(dtype if plan.kind == "transformer" else torch.float32), last)
         tied_here = plan.tie_embeddings and first == last  # else a tied head is a copy beside the norm
         if self.weight_format == "gguf":
             self.embed = self.head = None
