@@ -6,10 +6,10 @@ one new module listed in MODULES, plus its tests; nothing else learns its name.
 """
 
 from ..config import HFConfig, ModelPlan, UnsupportedModel, shown
-from . import gemma, llama, mamba, qwen
+from . import gemma, llama, mamba, phi3, qwen
 from .base import Family, Fields, GGUFArchitecture
 
-MODULES = (llama, qwen, gemma, mamba)
+MODULES = (llama, qwen, gemma, phi3, mamba)
 FAMILIES: dict[str, Family] = {name: family for m in MODULES for name, family in m.FAMILIES.items()}
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     name: arch for m in MODULES for name, arch in getattr(m, "GGUF", {}).items()}
