@@ -2,6 +2,12 @@
 stay within the original context): LongRoPE's long factors past it, the plan's readings and refusals, partial
 rotary on the Python path, and a paged engine serving Phi-4-mini."""
 
+import math
+import subprocess
+import sys
+
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -106,3 +112,72 @@ def test_engine_serves_phi4_mini_batch_invariantly(tiny_checkpoint):
             alone.append(list(e.add(p, **r)))
     assert together == alone
     assert together[0] == lm.generate(torch.tensor([cases[0][0]]), 10)[0, len(cases[0][0]):].tolist()
+
+
+def write_phi3_gguf(path, reference):
+    """As llama.cpp's convert_hf_to_gguf.py writes Phi-3: qkv_proj as attn_qkv, gate_up_proj as ffn_up, LongRoPE's
+    factors as the tensors rope_factors_short/long, the rotated part of a head as rope.dimension_count."""
+    c = reference.config
+    rope = c.rope_parameters
+    head_dim = c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_uint32("phi3.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    factor = c.max_position_embeddings / rope["original_max_position_embeddings"]
+    writer.add_float32("phi3.rope.scaling.attn_factor",
+                       math.sqrt(1 + math.log(factor) / math.log(rope["original_max_position_embeddings"])))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<{i}>" for i in range(c.vocab_size)])
+    writer.add_token_scores([0.0] * c.vocab_size)
+    writer.add_token_types([1] * c.vocab_size)
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    layer = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in reference.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        stem = name.removesuffix(".weight")
+        if stem in top:
+            gguf_name = top[stem]
+        else:
+            _, _, i, rest = stem.split(".", 3)
+            gguf_name = f"blk.{i}.{layer[rest]}"
+        writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("which", ["crossing", "phi4_mini"])
+def test_gguf_logits_match_transformers(request, tiny_checkpoint, tmp_path, which):
+    """Fused tensors misnamed, factors misread, the attention factor or the rotated width wrong: these change."""
+    path, reference = request.getfixturevalue("crossing") if which == "crossing" else tiny_checkpoint("phi4_mini")
+    write_phi3_gguf(tmp_path / "m.gguf", reference)
+    lm = CausalLM.load(tmp_path / "m.gguf", device="cpu")
+    assert lm.plan.block_options["rope"]["type"] == "longrope"
+    for length in (5, 17):  # within and past the crossing model's original context
+        ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected = reference(ids).logits
+        torch.testing.assert_close(lm.forward(ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_info_shows_phi_options(tiny_checkpoint):
+    path, _ = tiny_checkpoint("phi4_mini")
+    out = subprocess.run([sys.executable, "-m", "lmstack", "info", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    text = " ".join(out.split())
+    for words in ("phi3 (transformer)", "rope type=longrope", "short_factor=[6 values]", "rotary dims 12 of 16",
+                  "tied embeddings True"):
+        assert words in text, (words, out)

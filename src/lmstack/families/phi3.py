@@ -52,3 +52,26 @@ FAMILIES = {
     "phi3": Family(kind="transformer", plan=plan, qkv_bias=False, o_bias=False, partial_rotary=True,
                    rope_types=(*ROPE_TYPES, "longrope")),
 }
+
+
+def gguf_config(file) -> dict:
+    """llama.cpp's phi3 metadata as transformers' config: LongRoPE's factors are the tensors rope_factors_short
+    and rope_factors_long, its original context and attention factor `phi3.rope.scaling.*` keys."""
+    config = transformer.gguf_config(file, "phi3")
+    config.pop("use_sliding_window", None)
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if any(name in file for name in names):
+        short, long = (file.read(name).tolist() if name in file else None for name in names)
+        rope = dict(rope_type="longrope", rope_theta=config.pop("rope_theta"), short_factor=short, long_factor=long,
+                    original_max_position_embeddings=file.get("{arch}.rope.scaling.original_context_length", None))
+        if (attention := file.get("{arch}.rope.scaling.attn_factor", None)) is not None:
+            rope["attention_factor"] = attention
+        if "partial_rotary_factor" in config:
+            rope["partial_rotary_factor"] = config.pop("partial_rotary_factor")
+        config["rope_parameters"] = rope
+    return config
+
+
+GGUF_LAYER_NAMES = {**transformer.GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+GGUF = {"phi3": GGUFArchitecture(model_type="phi3", hf_class="Phi3ForCausalLM", config=gguf_config,
+                                 names=transformer.GGUF_NAMES, layer_names=GGUF_LAYER_NAMES)}
