@@ -181,3 +181,13 @@ def test_info_shows_phi_options(tiny_checkpoint):
     for words in ("phi3 (transformer)", "rope type=longrope", "short_factor=[6 values]", "rotary dims 12 of 16",
                   "tied embeddings True"):
         assert words in text, (words, out)
+
+
+def test_engine_refuses_a_request_past_the_original_context(crossing):
+    """KV pages keep the keys the short factors rotated: a request that would pass the original context (8) is
+    refused by name when added, before it can end the requests beside it."""
+    lm = CausalLM.load(crossing[0], device="cpu")
+    with Engine(lm, kv_cache_memory=16 * lm.page_bytes(16)) as engine:
+        with pytest.raises(ValueError, match="LongRoPE's original context"):
+            engine.add(list(range(5)), max_tokens=4)
+        assert len(list(engine.add(list(range(5)), max_tokens=3))) == 3

@@ -528,6 +528,14 @@ class CausalLM:
             raise ValueError(f"a {self.plan.kind} model keeps a recurrent state, not KV pages")
         return [b.new_pages(n_blocks, block_size, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
 
+    @property
+    def paged_positions(self) -> int | None:
+        """The most positions a sequence may take in forward_paged: max_positions, or for LongRoPE its original
+        context, past which the reference recomputes the keys the short factors rotated (KV pages keep them)."""
+        if self.rotary is None or self.rotary.long is None:
+            return self.max_positions
+        return min(self.rotary.long[1], self.max_positions or self.rotary.long[1])
+
     def page_bytes(self, block_size: int) -> int:
         """The memory one block of block_size slots takes, over every layer's keys and values."""
         o = self.plan.block_options
