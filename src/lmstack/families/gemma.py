@@ -140,12 +140,11 @@ def gguf_config(file, model_type: str) -> dict:
     return config
 
 
-def _gguf(arch: str, model_type: str, hf_class: str) -> GGUFArchitecture:
+def _gguf(model_type: str, hf_class: str) -> GGUFArchitecture:
     return GGUFArchitecture(
         model_type=model_type, hf_class=hf_class, config=lambda file: gguf_config(file, model_type),
         names=transformer.GGUF_NAMES, layer_names=GGUF_LAYER_NAMES,
         norm_offset=1.0)  # llama.cpp's converter stores each norm weight as 1 + weight
 
 
-GGUF = {"gemma2": _gguf("gemma2", "gemma2", "Gemma2ForCausalLM"),
-        "gemma3": _gguf("gemma3", "gemma3_text", "Gemma3ForCausalLM")}
+GGUF = {"gemma2": _gguf("gemma2", "Gemma2ForCausalLM"), "gemma3": _gguf("gemma3_text", "Gemma3ForCausalLM")}
