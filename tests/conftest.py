@@ -69,6 +69,21 @@ VARIANTS = {
                                               max_window_layers=2), {}),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=6), {}),
+    # Phi-3: fused qkv_proj / gate_up_proj, LongRoPE (short factors and the attention factor from 128 / 64; the
+    # long ones past position 64, tests/test_phi3.py), a window on every layer
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, sliding_window=5, original_max_position_embeddings=64,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                     short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                                     long_factor=[2.0 + 0.5 * i for i in range(8)])), {}),
+    # Phi-4-mini: 3/4 of each head rotated, tied head
+    "phi4_mini": ("Phi3Config", dict(num_key_value_heads=1, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                     original_max_position_embeddings=64,
+                                     rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                          partial_rotary_factor=0.75,
+                                                          short_factor=[1.0 + 0.2 * i for i in range(6)],
+                                                          long_factor=[3.0 + i for i in range(6)])), {}),
 }
 
 

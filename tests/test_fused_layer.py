@@ -14,7 +14,8 @@ from lmstack.blocks.transformer import TransformerBlock
 from lmstack.engine import Engine
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
-FAMILIES = ["llama", "llama_tied_gqa", "llama_bias", "mistral_window", "qwen2_sliding", "qwen3", "qwen3_bias_sliding"]
+FAMILIES = ["llama", "llama_tied_gqa", "llama_bias", "mistral_window", "qwen2_sliding", "qwen3", "qwen3_bias_sliding",
+            "phi3"]
 
 
 @pytest.fixture

@@ -53,7 +53,8 @@ def test_greedy_generate_matches_transformers(tiny_checkpoint, name):
     assert torch.equal(lm.generate(ids, 32), expected)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_bf16", "qwen3", "mistral_window", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("name", ["llama", "llama_bf16", "qwen3", "mistral_window", "gemma2", "gemma3_text",
+                                  "phi4_mini"])
 def test_bfloat16_matches_transformers_bfloat16(tiny_checkpoint, name):
     path, _ = tiny_checkpoint(name)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -479,8 +479,7 @@ def _info(args):
     counts = Counter(info.dtype for info in infos.values())
     types = ", ".join(f"{t} x{counts[t]} {_size(n)}".replace(" ", NO_BREAK) for t, n in by_type.most_common())
     windows = sorted({w for w in plan.layer_windows if w is not None})
-    honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + " ".join(
-        f"{k}={v}" for k, v in o["rope"].items()), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
+    honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + _rope(o["rope"]), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
         f"mlp_bias {o['mlp_bias']}", f"qk_norm {o['qk_norm']}", f"tied embeddings {plan.tie_embeddings}",
         f"sliding window {windows or 'none'}"]
     sliding = sum(w is not None for w in plan.layer_windows)
@@ -525,8 +524,13 @@ def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | 
             f"{params * size / max(stored, 1):.1f}x the {_size(stored)} stored")
 
 
+def _rope(rope: dict) -> str:
+    """A rope spec in one line: a list of per-frequency factors (LongRoPE's) as its length."""
+    return " ".join(f"{k}=[{len(v)} values]" if isinstance(v, list) else f"{k}={v}" for k, v in rope.items())
+
+
 def _family_options(plan) -> list[str]:
-    """The options beyond Llama's that the plan sets (Gemma's, the experts'), as `info` shows them."""
+    """The options beyond Llama's that the plan sets (Gemma's, Phi's, the experts'), as `info` shows them."""
     o, out = plan.block_options, []
     if o.get("norm_offset") is not None:
         out.append(f"norm scale {o['norm_offset']:g} + weight")
@@ -537,7 +541,9 @@ def _family_options(plan) -> list[str]:
     if o.get("attn_softcap") is not None:
         out.append(f"attention softcap {o['attn_softcap']:g}")
     if "local_rope" in o:
-        out.append("sliding layers' rope " + " ".join(f"{k}={v}" for k, v in o["local_rope"].items()))
+        out.append("sliding layers' rope " + _rope(o["local_rope"]))
+    if "rotary_dim" in o:
+        out.append(f"rotary dims {o['rotary_dim']} of {o['head_dim']}")
     if plan.embed_scale is not None:
         out.append(f"embedding scale {plan.embed_scale:.4g}")
     if plan.final_softcap is not None:

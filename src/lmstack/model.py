@@ -165,6 +165,7 @@ class CausalLMState:
     _: KW_ONLY
     owner: object = field(default=None, repr=False)
     offsets: torch.Tensor | None = None
+    tokens: torch.Tensor | None = field(default=None, repr=False)  # (B, max_tokens) ids fed, kept for LongRoPE
     length: int = 0
 
     def __post_init__(self):
@@ -394,9 +395,10 @@ class CausalLM:
         self.rotary = self.local_rotary = None  # local: the sliding layers' own settings, where they differ
         if plan.kind == "transformer":
             o = plan.block_options
-            self.rotary = Rotary(o["rope"], o["head_dim"], self.device)
+            dim = o.get("rotary_dim", o["head_dim"])
+            self.rotary = Rotary(o["rope"], dim, self.device)
             if "local_rope" in o:
-                self.local_rotary = Rotary(o["local_rope"], o["head_dim"], self.device)
+                self.local_rotary = Rotary(o["local_rope"], dim, self.device)
         self.unused_names: list[str] = []
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
@@ -553,7 +555,10 @@ class CausalLM:
             raise ValueError(f"max_tokens {max_tokens} exceeds max_positions {self.max_positions}")
         self._check_state_memory(batch_size, max_tokens)
         layers = [b.new_cache(batch_size, max_tokens, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
-        return CausalLMState(batch_size, max_tokens, layers, owner=self)
+        tokens = None  # LongRoPE recomputes the sequence from its tokens once it passes the original context
+        if self.rotary is not None and self.rotary.long is not None:
+            tokens = torch.zeros(batch_size, max_tokens, dtype=torch.long, device=self.device)
+        return CausalLMState(batch_size, max_tokens, layers, owner=self, tokens=tokens)
 
     def _check_state_memory(self, batch_size: int, max_tokens: int | None, extra: int = 0):
         """Refuse, before allocating, a decode state (and `extra` bytes on the model's device) that its devices
@@ -572,6 +577,14 @@ class CausalLM:
             raise ValueError(f"a {self.plan.kind} model keeps a recurrent state, not KV pages")
         return [b.new_pages(n_blocks, block_size, self.dtype, d) for b, d in zip(self.blocks, self.layer_devices)]
 
+    @property
+    def paged_positions(self) -> int | None:
+        """The most positions a sequence may take in forward_paged: max_positions, or for LongRoPE its original
+        context, past which the reference recomputes the keys the short factors rotated (KV pages keep them)."""
+        if self.rotary is None or self.rotary.long is None:
+            return self.max_positions
+        return min(self.rotary.long[1], self.max_positions or self.rotary.long[1])
+
     def page_bytes(self, block_size: int) -> int:
         """The memory one block of block_size slots takes, over every layer's keys and values."""
         o = self.plan.block_options
@@ -586,8 +599,10 @@ class CausalLM:
         (len(rows), vocab) at the flat token indices `rows`.
         """
         x = self._embed(ids)[None]
-        cos, sin = self.rotary(positions[None], self.dtype)
-        local = self.local_rotary(positions[None], self.dtype) if self.local_rotary else None
+        if self.rotary.long is not None:
+            self._check_longrope_pages(positions, seqs)
+        cos, sin = self.rotary(positions[None], self.dtype, seqs[None])  # (LongRoPE chooses per sequence)
+        local = self.local_rotary(positions[None], self.dtype, seqs[None]) if self.local_rotary else None
         ctx = PagedContext(cos, sin, slots, tables, seqs, positions, local)
         if (stack := self._fused_stack(x, ctx)) is not None:
             x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions)
@@ -595,6 +610,18 @@ class CausalLM:
             for block, layer_pages in zip(self.blocks, pages):
                 x = block(x, layer_pages, ctx)
         return self._logits(x[:, rows]).float()[0]
+
+    def _check_longrope_pages(self, positions: torch.Tensor, seqs: torch.Tensor):
+        """A paged sequence whose cached keys took LongRoPE's short factors cannot go past the original context:
+        the reference would recompute them with the long ones, and KV pages (shared between prefixes) are not
+        re-rotated. Refused by name rather than computed otherwise."""
+        context = self.rotary.long[1]
+        for s in seqs.unique().tolist():
+            p = positions[seqs == s]
+            if 0 < int(p.min()) <= context < int(p.max()) + 1:
+                raise ValueError(f"{self.plan.model_type}: a sequence with {int(p.min())} cached tokens would pass "
+                                 f"LongRoPE's original context of {context} positions in a paged step (its cached "
+                                 f"keys took the short factors); run it with generate(), or prefill it whole")
 
     def reset_state(self, state: CausalLMState) -> CausalLMState:
         """The state emptied for reuse, in place (capacity and batch size kept); stale cache contents are
@@ -756,6 +783,10 @@ class CausalLM:
              alone: bool = False) -> torch.Tensor:
         """The one path every entry point takes; ids are already checked. `alone` (under formats.row_invariant,
         where lookup.exact_verification allows it): each token gets the logits a one-token step would give it."""
+        if state is not None and state.tokens is not None:
+            if (logits := self._longrope_recompute(ids, state, last_only, alone)) is not None:
+                return logits
+            state.tokens[:, state.length:state.length + ids.shape[1]] = ids
         x = self._embed(ids.to(self.device))
         ctx = self._context(ids.shape, state, alone)
         if state is not None and (stack := self._fused_stack(x, ctx)) is not None:
@@ -770,6 +801,19 @@ class CausalLM:
         if last_only:
             x = x[:, -1:]
         return self._logits(x)
+
+    def _longrope_recompute(self, ids: torch.Tensor, state: CausalLMState, last_only: bool, alone: bool):
+        """LongRoPE: the forward that first passes the original context takes the long factors for every position,
+        and the reference recomputes the cached ones with them (Phi3ForCausalLM.prepare_inputs_for_generation drops
+        its cache at that step): so does this, from the tokens the state keeps, so that every step equals a
+        stateless forward over the whole sequence. None where the forward does not pass it."""
+        context, cached = self.rotary.long[1], state.length - int(state.offsets.min())
+        if not 0 < cached <= context < cached + ids.shape[1]:
+            return None
+        length, state.length = state.length, 0
+        logits = self._run(torch.cat((state.tokens[:, :length], ids.to(state.tokens.device)), dim=1), state,
+                           last_only, alone)
+        return logits if last_only else logits[:, length:]
 
     def _fused_stack(self, x: torch.Tensor, ctx):
         """Every block in one call (kernels_layer.cpp's Stack) for a step in which each block would take its fused

@@ -115,13 +115,14 @@ def _paged_attention_reference(q, cache: PagedKV, ctx: PagedContext, window: int
 class Attention(nn.Module):
     """Grouped-query attention with rotary q and k. Options beyond Llama's: `scale` of the scores (None:
     1/sqrt(head_dim)), `softcap` (scores -> cap * tanh(scores / cap)), `local_rope` (the context's second rotary
-    tables, for a sliding layer), `norm_offset` of the q/k norms."""
+    tables, for a sliding layer), `norm_offset` of the q/k norms, `rotary_dim` (rotate that many values of each
+    head, pass the rest: partial rotary; None: all)."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias, o_bias, qk_norm, norm_eps, window,
-                 scale=None, softcap=None, local_rope=False, norm_offset=None):
+                 scale=None, softcap=None, local_rope=False, norm_offset=None, rotary_dim=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
-        self.scale, self.softcap, self.local_rope = scale, softcap, local_rope
+        self.scale, self.softcap, self.local_rope, self.rotary_dim = scale, softcap, local_rope, rotary_dim
         self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
         self.o = nn.Linear(n_heads * head_dim, d_model, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_offset) if qk_norm else None
@@ -141,7 +142,7 @@ class Attention(nn.Module):
             return self.o(self._paged(qkv, cache, ctx)[None])
         mask = ctx.masks[self.window]
         cos, sin = self.rotary(ctx)
-        if cache is not None and kernels.usable(qkv):
+        if cache is not None and kernels.usable(qkv) and self.rotary_dim is None:  # (the kernel rotates whole heads)
             q = kernels.rope_into_cache(qkv, cos, sin, cache.k, cache.v, ctx.start)
             end = ctx.start + L
             if ctx.alone:
@@ -199,7 +200,7 @@ class Attention(nn.Module):
         """qkv (1, T, H + 2 KV, D) of tokens laid out as ctx says: k and v into the pool, then attention."""
         H, KV = self.n_heads, self.n_kv_heads
         cos, sin = self.rotary(ctx)
-        if kernels.usable(qkv):
+        if kernels.usable(qkv) and self.rotary_dim is None:
             q = kernels.rope_into_pages(qkv, cos, sin, cache.k, cache.v, ctx.slots)[0]
         else:
             qk = apply_rotary(qkv[:, :, :H + KV], cos, sin)[0]
@@ -272,8 +273,8 @@ class MixtureOfExperts(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm attention and MLP, each added to the residual. Options beyond Llama's: `sandwich_norms` (a norm on
     each output before its residual add, Gemma's), `norm_offset` (see RMSNorm), Attention's `attn_scale`,
-    `attn_softcap` and `local_rope` (sliding layers rotate by their own settings), and `experts` (the MLP as a
-    MixtureOfExperts, in the layers where `experts` is passed True)."""
+    `attn_softcap`, `local_rope` (sliding layers rotate by their own settings) and `rotary_dim`, and `experts`
+    (the MLP as a MixtureOfExperts, in the layers where `experts` is passed True)."""
 
     PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # what a weight format may re-store
 
@@ -285,7 +286,7 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(d_model, o["n_heads"], o["n_kv_heads"], o["head_dim"], o["qkv_bias"],
                               o["o_bias"], o["qk_norm"], o["norm_eps"], window, scale=o.get("attn_scale"),
                               softcap=o.get("attn_softcap"), local_rope=window is not None and "local_rope" in o,
-                              norm_offset=offset)
+                              norm_offset=offset, rotary_dim=o.get("rotary_dim"))
         self.mlp_norm = RMSNorm(d_model, o["norm_eps"], offset)
         if experts:
             self.mlp = MixtureOfExperts(d_model, o["experts"], o["act"])
@@ -314,7 +315,7 @@ class TransformerBlock(nn.Module):
         a = self.attn
         used = {"sandwich_norms": self.post_attn_norm is not None, "norm_offset": self.attn_norm.offset is not None,
                 "attn_scale": a.scale is not None, "attn_softcap": a.softcap is not None, "local_rope": a.local_rope,
-                "experts": isinstance(self.mlp, MixtureOfExperts)}
+                "rotary_dim": a.rotary_dim is not None, "experts": isinstance(self.mlp, MixtureOfExperts)}
         return [name for name, on in used.items() if on]
 
     def fusable(self, x: torch.Tensor, ctx) -> bool:

@@ -329,10 +329,11 @@ class Engine:
             raise EngineError("the engine is closed")
         prompt = self._check_prompt(prompt_ids)
         _positive_int("max_tokens", max_tokens)
-        limit = self.model.max_positions
+        limit = self.model.paged_positions
         if limit is not None and len(prompt) + max_tokens > limit:
+            why = "" if limit == self.model.max_positions else " in KV pages (LongRoPE's original context)"
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the model's "
-                             f"context of {limit} tokens")
+                             f"context of {limit} tokens{why}")
         if self.pool is not None:
             need = self.pool.blocks_for(len(prompt) + max_tokens - 1)
             if need > self.n_blocks:

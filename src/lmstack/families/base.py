@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from ..config import EPS_RANGE, MAX_POSITIONS, MAX_WIDTH, ConfigError, HFConfig, UnsupportedModel, shown
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # every family's; LongRoPE only where a family declares it
+
 
 @dataclass(frozen=True)
 class Family:
@@ -19,6 +21,8 @@ class Family:
     mlp_bias_field: bool = False  # the config's mlp_bias is honored
     window: str = "none"  # "none", "all" (every layer), or "per_layer" (use_sliding_window et al.)
     tie: bool = False  # tie_word_embeddings when the config leaves it out
+    partial_rotary: bool = False  # the reference rotates partial_rotary_factor of each head, passing the rest
+    rope_types: tuple = ROPE_TYPES  # the rope types its reference computes
 
 
 @dataclass(frozen=True)

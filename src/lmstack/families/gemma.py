@@ -12,7 +12,7 @@
 The multimodal `gemma3` (Gemma3ForConditionalGeneration) is refused by name: its text tower is `gemma3_text`.
 """
 
-from ..config import MAX_LAYERS, MAX_POSITIONS, UnsupportedModel, shown
+from ..config import MAX_LAYERS, MAX_POSITIONS
 from . import transformer
 from .base import Family, Fields, GGUFArchitecture
 
@@ -100,18 +100,12 @@ def _windows(f: Fields, n_layers: int) -> tuple:
     return tuple(window if s else None for s in sliding)
 
 
-def _refuse_multimodal(f: Fields, family: Family):
-    raise UnsupportedModel(
-        f"{f.where}model_type {shown(f.model_type)} (Gemma 3 with its vision tower) is not supported: "
-        f"lmstack runs the text model, model_type 'gemma3_text' (Gemma3ForCausalLM checkpoints such as "
-        f"gemma-3-270m and gemma-3-1b)")
-
-
 FAMILIES = {
     "gemma2": Family(kind="transformer", plan=plan, tie=True),
     "gemma3_text": Family(kind="transformer", plan=plan, qk_norm=True, tie=True),
-    "gemma3": Family(kind="transformer", plan=_refuse_multimodal),
 }
+REFUSED = {"gemma3": "Gemma 3 with its vision tower; lmstack runs its text model, model_type 'gemma3_text' "
+                     "(Gemma3ForCausalLM checkpoints such as gemma-3-270m and gemma-3-1b)"}
 
 GGUF_LAYER_NAMES = {**transformer.GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -140,12 +134,11 @@ def gguf_config(file, model_type: str) -> dict:
     return config
 
 
-def _gguf(arch: str, model_type: str, hf_class: str) -> GGUFArchitecture:
+def _gguf(model_type: str, hf_class: str) -> GGUFArchitecture:
     return GGUFArchitecture(
         model_type=model_type, hf_class=hf_class, config=lambda file: gguf_config(file, model_type),
         names=transformer.GGUF_NAMES, layer_names=GGUF_LAYER_NAMES,
         norm_offset=1.0)  # llama.cpp's converter stores each norm weight as 1 + weight
 
 
-GGUF = {"gemma2": _gguf("gemma2", "gemma2", "Gemma2ForCausalLM"),
-        "gemma3": _gguf("gemma3", "gemma3_text", "Gemma3ForCausalLM")}
+GGUF = {"gemma2": _gguf("gemma2", "Gemma2ForCausalLM"), "gemma3": _gguf("gemma3_text", "Gemma3ForCausalLM")}

@@ -8,8 +8,7 @@ A family close to Llama is a `Family` row planned by `plan`; one with ideas of i
 import math
 
 from ..config import MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ModelPlan, UnsupportedModel
-from ..rope import ROPE_TYPES
-from .base import Family, Fields
+from .base import ROPE_TYPES, Family, Fields
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 MIN_ROPE_THETA = 1.0  # below it the rotary frequencies exceed one turn per token (and 1e-320 makes them inf)
@@ -74,21 +73,36 @@ def attention_options(f: Fields, family: Family, act: tuple = ("hidden_act", "si
         raise f.refuse("mlp_bias", mlp_bias, f"{f.model_type} has no MLP biases")
 
     partial = f.cfg.get("partial_rotary_factor")
-    rotary = dict(rope(f) if rotary is None else rotary)
+    rotary = dict(rope(f, types=family.rope_types) if rotary is None else rotary)
     partial = rotary.pop("partial_rotary_factor", partial)
-    if partial not in (None, 1, 1.0):
-        raise f.refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")
-    return dict(
+    options = dict(
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=f.int("intermediate_size", maximum=MAX_WIDTH * 8),
         act=act, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
         qk_norm=family.qk_norm, rope=rotary, norm_eps=f.eps("rms_norm_eps", 1e-6),
     )
+    rotary_dim = head_dim
+    if partial not in (None, 1, 1.0):
+        if not family.partial_rotary:
+            raise f.refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")
+        if (isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial < 1
+                or int(head_dim * partial) % 2 or int(head_dim * partial) == 0):
+            raise f.bad("partial_rotary_factor", partial, f"a number in (0, 1) giving an even, nonzero part of "
+                                                          f"head_dim {head_dim}")
+        options["rotary_dim"] = rotary_dim = int(head_dim * partial)
+    if rotary["type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(rotary[key]) != rotary_dim // 2:
+                raise f.bad(f"rope_parameters.{key}", rotary[key], f"{rotary_dim // 2} numbers (half the rotated "
+                                                                    f"part of a head)")
+    return options
 
 
 def make_plan(f: Fields, family: Family, options: dict, n_layers: int, windows: tuple,
-              norms: dict = NORMS, **model_options) -> ModelPlan:
-    """The plan of a stack of `n_layers` blocks with `options`, named as Hugging Face's Llama names them."""
+              norms: dict = NORMS, tensors=None, **model_options) -> ModelPlan:
+    """The plan of a stack of `n_layers` blocks with `options`, named as Hugging Face's Llama names them, or by
+    `tensors(options, layer prefix)`."""
+    tensors = tensors or (lambda o, prefix: layer_tensors(o, prefix, norms))
     tie = f.bool("tie_word_embeddings", family.tie)
     return ModelPlan(
         model_type=f.model_type, family=f.model_type, kind=family.kind,
@@ -98,7 +112,7 @@ def make_plan(f: Fields, family: Family, options: dict, n_layers: int, windows: 
         max_position_embeddings=f.optional_int("max_position_embeddings"), block_options=options,
         embed_name="model.embed_tokens.weight", norm_name="model.norm.weight",
         head_name=None if tie else "lm_head.weight",
-        layer_tensors=tuple(layer_tensors(options, f"model.layers.{i}.", norms) for i in range(n_layers)),
+        layer_tensors=tuple(tensors(options, f"model.layers.{i}.") for i in range(n_layers)),
         layer_windows=windows, **model_options,
     )
 
@@ -138,9 +152,10 @@ def layer_tensors(o: dict, prefix: str, norms: dict = NORMS) -> tuple:
     return tuple(w)
 
 
-def rope(f: Fields, spec=None, source=None) -> dict:
+def rope(f: Fields, spec=None, source=None, types=ROPE_TYPES) -> dict:
     """Normalize `rope_theta` + `rope_scaling` (legacy) and `rope_parameters` (transformers 5) to one dict;
-    `spec` (named `source` in errors) stands for them where a family keeps one per layer type."""
+    `spec` (named `source` in errors) stands for them where a family keeps one per layer type. `types`: the
+    rope types the family's reference computes."""
     if spec is None:
         params = f.cfg.get("rope_parameters")
         legacy = f.cfg.get("rope_scaling")
@@ -153,8 +168,8 @@ def rope(f: Fields, spec=None, source=None) -> dict:
         if any(isinstance(v, dict) for v in spec.values()):
             raise f.refuse(source, sorted(spec), "rotary settings per layer type")
     kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise f.refuse(f"{source}.rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
+    if kind not in types:
+        raise f.refuse(f"{source}.rope_type", kind, f"supported: {', '.join(types)}")
     theta = spec.get("rope_theta", f.cfg.get("rope_theta", 10000.0))
     if (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta)
             or theta < MIN_ROPE_THETA):
@@ -184,6 +199,22 @@ def rope(f: Fields, spec=None, source=None) -> dict:
             if spec.get(key) is not None:
                 out[key] = number(key)
         out["truncate"] = spec.get("truncate", True)
+    if kind == "longrope":
+        original = spec.get("original_max_position_embeddings", f.cfg.get("original_max_position_embeddings"))
+        out["original_max_position_embeddings"] = number("original_max_position_embeddings", original)
+        if spec.get("factor") is None:  # the reference's default: the context's growth over the original
+            out["factor"] = f.int("max_position_embeddings", maximum=MAX_POSITIONS) / out["original_max_position_embeddings"]
+        else:
+            out["factor"] = number("factor")
+        if spec.get("attention_factor") is not None:
+            out["attention_factor"] = number("attention_factor")
+        for key in ("short_factor", "long_factor"):
+            factors = spec.get(key)
+            if (not isinstance(factors, list) or not factors or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+                    for v in factors)):
+                raise f.bad(f"{source}.{key}", factors, "a list of positive numbers")
+            out[key] = [float(v) for v in factors]
     return out
 
 
