@@ -58,6 +58,7 @@ def test_llama_cpp_vectors_id_for_id(vocab_file, name):
     wrong = [(text, ids, got) for (text, ids), got in zip(cases, encoded) if got != ids]
     assert not wrong, f"{len(wrong)} of {len(cases)} differ, first: {wrong[0]}"
     assert [tok.encode(text, add_special_tokens=False) for text, _ in cases[:12]] == [ids for _, ids in cases[:12]]
+    assert [tok.decode(ids) for _, ids in cases] == [text for text, _ in cases]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
