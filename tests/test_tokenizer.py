@@ -425,6 +425,34 @@ def test_added_tokens_not_special_match_only_with_allow_special(tmp_path):
     assert tok.encode_batch(texts) != tok.encode_batch(texts, allow_special=True)
 
 
+def test_added_runs_of_whitespace_match_without_allow_special(tmp_path):
+    """GPT-NeoX-style vocabularies spell runs of spaces as non-special added tokens: they forge nothing and
+    are the ids the model saw, so they match in ordinary text as in `tokenizers`; other added tokens do not."""
+    ref, lines = byte_level_bpe(tmp_path, ["<s>"], non_special=["  ", "   ", "\t\t", "<think>"])
+    tok = Tokenizer.from_pretrained(tmp_path)
+    texts = [f"  {line}   x\t\t\ty" for line in lines]
+    assert tok.encode_batch(texts) == [e.ids for e in ref.encode_batch(texts)]
+    assert ref.token_to_id("   ") in tok.encode(" a   b")
+    assert ref.token_to_id("<think>") not in tok.encode("<think>  x")
+
+
+def test_tokens_not_spelled_byte_level_are_unreachable_and_decode_as_their_text(tmp_path):
+    """Command-R's vocabulary holds "\u200d", "™", ... as such, not in byte-level spelling: no text reaches
+    them, and they decode to their text, as in `tokenizers`."""
+    ref, lines = byte_level_bpe(tmp_path, ["<s>"])
+    spec = json.loads(ref.to_str())
+    extra = {"\u200d": len(spec["model"]["vocab"]), "™": len(spec["model"]["vocab"]) + 1}
+    spec["model"]["vocab"].update(extra)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ref = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    texts = lines + ["a\u200db ™"]
+    assert tok.encode_batch(texts) == [e.ids for e in ref.encode_batch(texts)]
+    assert not set(extra.values()) & {i for ids in tok.encode_batch(texts) for i in ids}
+    ids = [ref.token_to_id("a"), *extra.values()]
+    assert tok.decode(ids) == ref.decode(ids) == "a\u200d™"
+
+
 def test_added_tokens_keep_their_ids_above_the_tokens():
     tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"<|pad|>", b" x"]
     merges = [(b"a", b"b"), (b"ab", b"c")]

@@ -53,7 +53,7 @@ GGUF_PRE_TOKENIZERS = {
                     ("smollm", False, None)),
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), ("llama3", True, None)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), ("qwen2", False, "NFC")),
-    "qwen35": ("qwen35", False, "NFC"),
+    "qwen35": ("qwen35", False, None),
     **dict.fromkeys(("gpt-4o", "llama4"), ("gpt4o", False, None)),
     "deepseek-llm": ("deepseek-llm", False, None),
     "deepseek-coder": ("deepseek-coder", False, None),

@@ -38,6 +38,7 @@ def _byte_chars() -> list[str]:
 
 
 BYTE_CHARS = _byte_chars()
+_BYTE_ALPHABET = frozenset(BYTE_CHARS)
 _TO_LATIN1 = str.maketrans({c: chr(b) for b, c in enumerate(BYTE_CHARS)})  # then .encode("latin-1") gives the bytes
 _FROM_LATIN1 = str.maketrans({chr(b): c for b, c in enumerate(BYTE_CHARS)})
 
@@ -57,19 +58,30 @@ class Tokenizer:
     before encoding if dropping them is what you want.
     """
 
-    def __init__(self, tokens, merges, *, pattern, added=None, normalizer=None, bos_ids=(), eos_ids=(),
-                 add_bos=None, add_eos=None, ignore_merges=False, chat_template=None, special_tokens=None,
+    def __init__(self, tokens, merges, *, pattern, added=None, not_special=(), normalizer=None, bos_ids=(),
+                 eos_ids=(), add_bos=None, add_eos=None, ignore_merges=False, chat_template=None, special_tokens=None,
                  source="<tokens>"):
         """A byte-level BPE from its parts, as a GGUF's `tokenizer.ggml.*` metadata carries them.
 
         `tokens`: each id's bytes, in id order; `merges`: (left, right) byte pairs, in rank order;
         `pattern`: a name in PATTERNS, a regex, or a sequence of regexes; `added`: {text: id} of the
-        added (special) tokens, at their own ids, within the tokens or above them; `normalizer`: a name
-        in NORMALIZERS. `bos_ids`/`eos_ids`: the tokens that begin/end a sequence; encode puts the first
-        of each around the ids (unless `add_bos`/`add_eos` is False), a chat template sees their text as
-        bos_token/eos_token, and a generation may stop at any of `eos_ids`. `chat_template`: a template,
-        or {name: template}; `special_tokens`: {bos_token: text, ...} for the template, instead of those.
+        added tokens, at their own ids, within the tokens or above them, special unless their text is in
+        `not_special`; `normalizer`: a name in NORMALIZERS. `bos_ids`/`eos_ids`: the tokens that
+        begin/end a sequence; encode puts the first of each around the ids (unless `add_bos`/`add_eos` is
+        False), a chat template sees their text as bos_token/eos_token, and a generation may stop at any
+        of `eos_ids`. `chat_template`: a template, or {name: template}; `special_tokens`: {bos_token:
+        text, ...} for the template, instead of those.
         """
+        tokens = [bytes(token) for token in tokens]
+        self._byte_level_bpe([_spell(token) for token in tokens], [(_spell(a), _spell(b)) for a, b in merges],
+                             lambda i: tokens[i], pattern=pattern, added=added, not_special=not_special,
+                             normalizer=normalizer, bos_ids=bos_ids, eos_ids=eos_ids, add_bos=add_bos,
+                             add_eos=add_eos, ignore_merges=ignore_merges, chat_template=chat_template,
+                             special_tokens=special_tokens, source=source)
+
+    def _byte_level_bpe(self, tokens, merges, shown, *, pattern, added, not_special, normalizer, bos_ids, eos_ids,
+                        add_bos, add_eos, ignore_merges, chat_template, special_tokens, source):
+        """__init__ on tokens and merges as a byte-level vocabulary spells them; `shown(i)`: token i for errors."""
         if isinstance(pattern, str) and pattern not in PATTERNS and re.fullmatch(r"\w+", pattern):
             raise ValueError(f"{source}: pattern {pattern!r} is not a name in PATTERNS {sorted(PATTERNS)}")
         regexes = PATTERNS.get(pattern) or ((pattern,) if isinstance(pattern, str) else tuple(pattern))
@@ -83,8 +95,8 @@ class Tokenizer:
                 raise ValueError(f"{source}: added tokens {text!r} and {ids[i]!r} share id {i}")
         vocab = {}
         for i, token in enumerate(tokens):
-            if i not in ids and (first := vocab.setdefault(_spell(token), i)) != i:
-                raise TokenizerError(f"{source}: token {i} {bytes(token)!r} repeats token {first}")
+            if i not in ids and (first := vocab.setdefault(token, i)) != i:
+                raise TokenizerError(f"{source}: token {i} {shown(i)!r} repeats token {first}")
         for text, i in added.items():
             if vocab.setdefault(text, i) != i:
                 raise TokenizerError(f"{source}: added token {text!r} (id {i}) is also token {vocab[text]}")
@@ -93,7 +105,7 @@ class Tokenizer:
         spec = {
             "version": "1.0",
             "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for text, i in added.items()],
+                              "normalized": False, "special": text not in not_special} for text, i in added.items()],
             "normalizer": normalizer and {"type": normalizer},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 *(r if isinstance(r, dict) else {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
@@ -101,7 +113,7 @@ class Tokenizer:
                 *([] if _byte_level({"type": "Sequence", "pretokenizers": regexes}) else
                   [{"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}])]},
             "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-            "model": {"type": "BPE", "vocab": vocab, "merges": [[_spell(a), _spell(b)] for a, b in merges],
+            "model": {"type": "BPE", "vocab": vocab, "merges": [list(merge) for merge in merges],
                       "ignore_merges": ignore_merges, "unk_token": None, "byte_fallback": False},
         }
         bos_ids, eos_ids = tuple(bos_ids), tuple(eos_ids)
@@ -177,38 +189,39 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, header: GGUFHeader) -> "Tokenizer":
-        """The tokenizer an open GGUF's metadata describes, whatever the model's architecture.
+        """The tokenizer an open GGUF's metadata describes, whatever the model's architecture, as llama.cpp reads it.
 
         `tokenizer.ggml.model` "gpt2" is a byte-level BPE cut as `tokenizer.ggml.pre` names
-        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback),
-        built as transformers builds it from the same file. Anything else is refused by name.
+        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback);
+        "gemma4" is a BPE over "▁"-spelled UTF-8 with `<0xNN>` byte fallback. Control tokens (type 3)
+        are special; user-defined ones (type 4) are not. Anything else (bert's WordPiece, t5's Unigram,
+        ...) is refused by name.
         """
         data = tokenizer_data(header)
         if data.model == "llama":
             return _sentencepiece(cls, data)
+        if data.model == "gemma4":
+            return _gemma4(cls, data)
         if data.model != "gpt2":
             raise UnsupportedModel(f"{data.source}: tokenizer.ggml.model {data.model!r} is not supported "
-                                   f"(supported: gpt2, llama)")
+                                   f"(supported: gpt2, llama, gemma4)")
         pre = data.pre or "gpt2"
         if pre not in GGUF_PRE_TOKENIZERS:
             raise UnsupportedModel(f"{data.source}: tokenizer.ggml.pre {pre!r} is not supported "
                                    f"(supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))})")
         pattern, ignore_merges, normalizer = GGUF_PRE_TOKENIZERS[pre]
-        byte_of = {c: b for b, c in enumerate(BYTE_CHARS)}
-
-        def unspell(text: str) -> bytes:
-            try:
-                return bytes(byte_of[c] for c in text)
-            except KeyError:
-                raise TokenizerError(f"{data.source}: token {text!r} is not spelled in byte-level characters") from None
-
         added = {text: i for i, (text, kind) in enumerate(zip(data.tokens, data.types)) if kind in (3, 4)}
-        tokens = [text.encode() if text in added else unspell(text) for text in data.tokens]
-        merges = [tuple(unspell(side) for side in merge.split(" ")) for merge in data.merges or ()]
-        return cls(tokens, merges, pattern=pattern, added=added, normalizer=normalizer,
-                   bos_ids=() if data.bos is None else (data.bos,), eos_ids=data.eos, add_bos=bool(data.add_bos),
-                   add_eos=bool(data.add_eos), ignore_merges=ignore_merges, chat_template=data.chat_template,
-                   special_tokens=_gguf_special_tokens(data), source=data.source)
+        user_defined = {text for text, kind in zip(data.tokens, data.types) if kind == 4}
+        # A token not spelled in byte-level characters (Command-R's "\u200d", "™") is one no text reaches,
+        # as in llama.cpp and `tokenizers`; decoded, it is its own text
+        tok = cls.__new__(cls)
+        tok._byte_level_bpe(data.tokens, [merge.split(" ") for merge in data.merges or ()], data.tokens.__getitem__,
+                            pattern=pattern, added=added, not_special=user_defined, normalizer=normalizer,
+                            bos_ids=() if data.bos is None else (data.bos,), eos_ids=data.eos,
+                            add_bos=bool(data.add_bos), add_eos=bool(data.add_eos), ignore_merges=ignore_merges,
+                            chat_template=data.chat_template, special_tokens=_gguf_special_tokens(data),
+                            source=data.source)
+        return tok
 
     def _bind(self, text, spec, source, bos_ids, eos_ids, prefix, suffix, chat_template, backend=None):
         try:
@@ -224,12 +237,16 @@ class Tokenizer:
         if (factor := _expansion(spec.get("normalizer"))) > MAX_EXPANSION:  # chained, they abort the process
             raise TokenizerError(f"{source}: the normalizer's Replace steps can make a text {factor:g} times longer "
                                  f"(at most {MAX_EXPANSION})")
-        # Without allow_special every added token's text is ordinary text, the non-special ones' too
-        if all(token.special for token in self._special.get_added_tokens_decoder().values()):
+        # Without allow_special every added token's text is ordinary text, the non-special ones' too, but
+        # for runs of whitespace (GPT-NeoX's and MPT's "  ", "   ", ...): they forge nothing, and are
+        # how the model saw such runs, in `tokenizers` and llama.cpp alike
+        if all(token.special or token.content.isspace() for token in
+               self._special.get_added_tokens_decoder().values()):
             self._plain = tokenizers.Tokenizer.from_str(text)
         else:
             plain = json.loads(self._special.to_str())  # as `tokenizers` understood the file
-            plain["added_tokens"] = [{**token, "special": True} for token in plain["added_tokens"]]
+            plain["added_tokens"] = [{**token, "special": token["special"] or not token["content"].isspace()}
+                                     for token in plain["added_tokens"]]
             self._plain = tokenizers.Tokenizer.from_str(json.dumps(plain))
         self._plain.encode_special_tokens = True
         self.source, self.chat_template = source, chat_template
@@ -245,17 +262,17 @@ class Tokenizer:
                 self._missing = bytes(b for b, c in enumerate(BYTE_CHARS) if self._plain.token_to_id(c) is None)
 
     def _byte_table(self, vocab) -> list:
-        """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level."""
+        """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level (if it is)."""
         table = [None] * self.n_vocab
         for i, token in self._special.get_added_tokens_decoder().items():
             table[i] = token.content.encode()
         for token, i in vocab.items():
             if table[i] is not None:
                 continue
-            try:
+            if _BYTE_ALPHABET.issuperset(token):
                 table[i] = token.translate(_TO_LATIN1).encode("latin-1")
-            except UnicodeEncodeError:
-                raise TokenizerError(f"{self.source}: token {i} {token!r} is not in byte-level spelling") from None
+            else:  # not spelled byte-level: its own text, as `tokenizers` decodes it
+                table[i] = token.encode()
         return table
 
     def pretokenize(self, data) -> list[bytes]:
@@ -472,9 +489,14 @@ def _gguf_special_tokens(data: TokenizerData) -> dict:
 
 
 def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
-    """A GGUF's SentencePiece vocabulary as transformers converts it: BPE over "▁"-spelled tokens with byte
-    fallback, merges from the file or, without them, from the scores; control tokens special, user-defined
-    ones added."""
+    """A GGUF's SentencePiece vocabulary as llama.cpp (and SentencePiece) tokenize it: BPE over "▁"-spelled
+    tokens with byte fallback, merges from the file or, without them, from the scores; control tokens
+    special, user-defined ones added.
+
+    Every text, and every stretch of text after an added token, starts with "▁" (so " a" is "▁▁a"), as
+    Llama 2's tokenizer.json has it; transformers' GGUF conversion instead puts a Metaspace there that
+    adds none before a leading space, for every architecture but phi3.
+    """
     vocab = {}
     for i, token in enumerate(data.tokens):
         if vocab.setdefault(token, i) != i:
@@ -485,9 +507,8 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
         merges = _merges_from_scores(vocab, dict(zip(data.tokens, data.scores)))
     else:
         raise TokenizerError(f"{data.source}: a SentencePiece vocabulary needs tokenizer.ggml.merges or .scores")
-    if data.add_space_prefix is False:  # transformers' conversion always prepends "▁"
+    if data.add_space_prefix is False:
         raise UnsupportedModel(f"{data.source}: tokenizer.ggml.add_space_prefix = false is not supported")
-    phi3 = data.arch == "phi3"  # Phi-3's prefix space comes from a normalizer, as its tokenizer.json has it
     specials = _gguf_special_tokens(data)
     added = [(i, text, kind == 3 or text in specials.values()) for i, (text, kind) in
              enumerate(zip(data.tokens, data.types)) if kind in (3, 4) or text in specials.values()]
@@ -497,14 +518,45 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
                           "normalized": False, "special": special} for i, text, special in added],
         "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
                                                            {"type": "Replace", "pattern": {"String": " "},
-                                                            "content": "▁"}]} if phi3 else None,
-        "pre_tokenizer": None if phi3 else {"type": "Metaspace", "replacement": "▁", "split": False,
-                                            "prepend_scheme": "first"},
+                                                            "content": "▁"}]},
+        "pre_tokenizer": None,
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
             {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
         "model": {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": specials.get("unk_token", "<unk>"),
                   "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
+    }
+    bos_ids = () if data.bos is None else (data.bos,)
+    tok = cls.__new__(cls)
+    tok._bind(json.dumps(spec), spec, data.source, bos_ids, data.eos, list(bos_ids) if data.add_bos is not False
+              else [], list(data.eos[:1]) if data.add_eos else [], data.chat_template)
+    tok.special_tokens = specials
+    return tok
+
+
+def _gemma4(cls, data: TokenizerData) -> "Tokenizer":
+    """Gemma 4's vocabulary (`tokenizer.ggml.model = "gemma4"`): BPE over the text's UTF-8 with "▁" for
+    spaces and no prefix space, merges from the file, `<0xNN>` byte fallback; cut only at runs of newlines."""
+    vocab = {}
+    for i, token in enumerate(data.tokens):
+        if vocab.setdefault(token, i) != i:
+            raise TokenizerError(f"{data.source}: token {i} {token!r} repeats token {vocab[token]}")
+    if data.merges is None:
+        raise TokenizerError(f"{data.source}: a gemma4 vocabulary needs tokenizer.ggml.merges")
+    specials = _gguf_special_tokens(data)
+    added = [(i, text, kind == 3) for i, (text, kind) in enumerate(zip(data.tokens, data.types)) if kind in (3, 4)]
+    spec = {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": special} for i, text, special in added],
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\n+"}, "behavior": "Isolated", "invert": False},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}]},
+        "model": {"type": "BPE", "vocab": vocab, "merges": [merge.split(" ") for merge in data.merges],
+                  "unk_token": specials.get("unk_token"), "fuse_unk": True, "byte_fallback": True,
+                  "ignore_merges": False},
     }
     bos_ids = () if data.bos is None else (data.bos,)
     tok = cls.__new__(cls)
