@@ -422,3 +422,32 @@ def test_cli_json_schema_file(checkpoint, tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
     assert main(["generate", "-m", str(checkpoint), "--json-schema", str(tmp_path / "bad.json"), "-q", "Hi"]) == 1
     assert "uniqueItems" in capsys.readouterr().err
+
+
+def test_a_failing_constraint_ends_only_its_own_request(model):
+    from lmstack.engine import Engine, EngineError
+
+    lm, tokenizer = model
+
+    class Failing:  # a constraint whose mask fails at the third step
+        def mask(self, batch):
+            return self
+
+        steps = 0
+
+        def __call__(self, logits):
+            self.steps += 1
+            if self.steps == 3:
+                raise GrammarError("the grammar broke")
+            return logits
+
+        def accept(self, tokens):
+            pass
+
+    with Engine(lm, tokenizer, max_running=4) as engine:
+        broken = engine.add(tokenizer.encode("Hello"), max_tokens=8, constraint=Failing(), eos_ids=())
+        fine = engine.add(tokenizer.encode("Hello"), max_tokens=8, eos_ids=())
+        assert len(list(fine)) == 8 and fine.finish_reason == "length"
+        with pytest.raises(EngineError, match="the grammar broke"):
+            list(broken)
+        assert broken.finish_reason == "error" and len(broken.tokens) == 2
