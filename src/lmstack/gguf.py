@@ -534,11 +534,15 @@ class GGUFFile(GGUFHeader):
         return self.architecture.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                                 "k_proj.bias"))
 
+    def _norm_offset(self, name: str) -> float:
+        """What llama.cpp's converter added to norm weight `name` (Gemma's 1 + weight); 0 elsewhere."""
+        return self.architecture.norm_offset if name.endswith("norm.weight") else 0
+
     def _hf_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The tensor as Hugging Face's checkpoint holds it: the q/k rows llama.cpp's converter permuted put back
         in order, and a norm weight it stored plus an offset (Gemma's 1 + weight) less that offset."""
-        if self.architecture.norm_offset and name.endswith("norm.weight"):
-            return weight - self.architecture.norm_offset
+        if self._norm_offset(name):
+            return weight - self._norm_offset(name)
         if self._permuted(name):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             if weight.shape[0] % (2 * heads):
@@ -549,8 +553,8 @@ class GGUFFile(GGUFHeader):
 
     def read_into(self, name: str, dest: torch.Tensor):
         """Copy tensor `name` into `dest`, refusing inf and nan (also from a conversion that overflows); straight
-        into dest a chunk at a time where no rows are reordered."""
-        if self._permuted(name) or not dest.is_contiguous():
+        into dest a chunk at a time where the values go in as they are stored."""
+        if self._permuted(name) or self._norm_offset(name) or not dest.is_contiguous():
             dest.copy_(self.read(name))
         else:
             self._dequantize_into(self._tensor(name), dest)

@@ -153,9 +153,9 @@ def text_steps(lm, tokenizer, prompts, max_new_tokens: int = 64, *, stop=(), eos
     streams = [TextStream(tokenizer, stop) for _ in ids]
     eos = _eos(lm, tokenizer, eos_ids)
     if json_schema is not None or regex is not None or grammar is not None:
-        from .grammar import compile
+        from .grammar import compile as compile_grammar
 
-        sampling["constraint"] = compile(tokenizer, lm.vocab_size, json_schema=json_schema, regex=regex,
+        sampling["constraint"] = compile_grammar(tokenizer, lm.vocab_size, json_schema=json_schema, regex=regex,
                                          lark=grammar, eos_ids=_eos(lm, tokenizer, None))
     pieces = []
 
