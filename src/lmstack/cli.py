@@ -479,9 +479,10 @@ def _info(args):
     counts = Counter(info.dtype for info in infos.values())
     types = ", ".join(f"{t} x{counts[t]} {_size(n)}".replace(" ", NO_BREAK) for t, n in by_type.most_common())
     windows = sorted({w for w in plan.layer_windows if w is not None})
-    honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + _rope(o["rope"]), f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}",
-        f"mlp_bias {o['mlp_bias']}", f"qk_norm {o['qk_norm']}", f"tied embeddings {plan.tie_embeddings}",
-        f"sliding window {windows or 'none'}"]
+    honored = [f"act {o['act']}", f"rms_norm_eps {o['norm_eps']:g}", "rope " + _rope(o["rope"]),
+               f"qkv_bias {o['qkv_bias']}", f"o_bias {o['o_bias']}", f"mlp_bias {o['mlp_bias']}",
+               f"qk_norm {o['qk_norm']}", f"tied embeddings {plan.tie_embeddings}",
+               f"sliding window {windows or 'none'}"]
     sliding = sum(w is not None for w in plan.layer_windows)
     if 0 < sliding < plan.n_layers:
         honored[-1] += f" on {sliding} of {plan.n_layers} layers"

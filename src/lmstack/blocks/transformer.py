@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset is not None:
-            return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (self.offset + self.weight.float())).to(x.dtype)
+            normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         if self.weight.dtype == x.dtype and kernels.usable(x):  # (Mamba keeps a float32 weight)
             return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

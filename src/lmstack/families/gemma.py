@@ -65,7 +65,8 @@ def _ropes(f: Fields, gemma3: bool) -> tuple[dict, dict | None]:
         unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
         if unknown:
             raise f.refuse("rope_parameters", unknown, "layer types full_attention and sliding_attention only")
-        full = _with_theta(f, params.get("full_attention"), "rope_parameters.full_attention", GLOBAL_THETA["gemma3_text"])
+        full = _with_theta(f, params.get("full_attention"), "rope_parameters.full_attention",
+                           GLOBAL_THETA["gemma3_text"])
         local = _with_theta(f, params.get("sliding_attention"), "rope_parameters.sliding_attention", LOCAL_THETA)
         return (transformer.rope(f, full, "rope_parameters.full_attention"),
                 transformer.rope(f, local, "rope_parameters.sliding_attention"))

@@ -14,7 +14,8 @@ from .base import ROPE_TYPES, Family, Fields, GGUFArchitecture
 
 
 def plan(f: Fields, family: Family):
-    options = transformer.attention_options(f, family, rotary=transformer.rope(f, *_rope_spec(f), types=family.rope_types))
+    rotary = transformer.rope(f, *_rope_spec(f), types=family.rope_types)
+    options = transformer.attention_options(f, family, rotary=rotary)
     for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
         if f.cfg.get(key) not in (None, 1, 1.0):
             raise f.refuse(key, f.cfg.get(key), f"{f.model_type} does not use it")

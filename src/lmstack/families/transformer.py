@@ -44,7 +44,8 @@ def plan(f: Fields, family: Family) -> ModelPlan:
     return make_plan(f, family, options, n_layers, layer_windows(f, family, n_layers))
 
 
-def attention_options(f: Fields, family: Family, act: tuple = ("hidden_act", "silu"), rotary: dict | None = None) -> dict:
+def attention_options(f: Fields, family: Family, act: tuple = ("hidden_act", "silu"),
+                      rotary: dict | None = None) -> dict:
     """The block options every attention family shares: heads, widths, biases, activation, rotary, norm eps."""
     d_model = f.int("hidden_size")
     n_heads = f.int("num_attention_heads", maximum=4096)
@@ -53,7 +54,8 @@ def attention_options(f: Fields, family: Family, act: tuple = ("hidden_act", "si
         raise f.bad("num_key_value_heads", n_kv_heads, f"a divisor of num_attention_heads ({n_heads})")
     if f.cfg.get("head_dim") is None:
         if d_model % n_heads:
-            raise f.bad("hidden_size", d_model, f"a multiple of num_attention_heads ({n_heads}) when head_dim is absent")
+            raise f.bad("hidden_size", d_model,
+                        f"a multiple of num_attention_heads ({n_heads}) when head_dim is absent")
         head_dim = d_model // n_heads
     else:
         head_dim = f.int("head_dim", maximum=4096)
@@ -203,7 +205,8 @@ def rope(f: Fields, spec=None, source=None, types=ROPE_TYPES) -> dict:
         original = spec.get("original_max_position_embeddings", f.cfg.get("original_max_position_embeddings"))
         out["original_max_position_embeddings"] = number("original_max_position_embeddings", original)
         if spec.get("factor") is None:  # the reference's default: the context's growth over the original
-            out["factor"] = f.int("max_position_embeddings", maximum=MAX_POSITIONS) / out["original_max_position_embeddings"]
+            context = f.int("max_position_embeddings", maximum=MAX_POSITIONS)
+            out["factor"] = context / out["original_max_position_embeddings"]
         else:
             out["factor"] = number("factor")
         if spec.get("attention_factor") is not None:
