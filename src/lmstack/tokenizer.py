@@ -497,10 +497,7 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
     Llama 2's tokenizer.json has it; transformers' GGUF conversion instead puts a Metaspace there that
     adds none before a leading space, for every architecture but phi3.
     """
-    vocab = {}
-    for i, token in enumerate(data.tokens):
-        if vocab.setdefault(token, i) != i:
-            raise TokenizerError(f"{data.source}: token {i} {token!r} repeats token {vocab[token]}")
+    vocab = _vocabulary(data)
     if data.merges is not None:
         merges = [merge.split(" ") for merge in data.merges]
     elif data.scores is not None:
@@ -526,21 +523,13 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
         "model": {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": specials.get("unk_token", "<unk>"),
                   "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
     }
-    bos_ids = () if data.bos is None else (data.bos,)
-    tok = cls.__new__(cls)
-    tok._bind(json.dumps(spec), spec, data.source, bos_ids, data.eos, list(bos_ids) if data.add_bos is not False
-              else [], list(data.eos[:1]) if data.add_eos else [], data.chat_template)
-    tok.special_tokens = specials
-    return tok
+    return _from_spec(cls, data, spec)
 
 
 def _gemma4(cls, data: TokenizerData) -> "Tokenizer":
     """Gemma 4's vocabulary (`tokenizer.ggml.model = "gemma4"`): BPE over the text's UTF-8 with "▁" for
     spaces and no prefix space, merges from the file, `<0xNN>` byte fallback; cut only at runs of newlines."""
-    vocab = {}
-    for i, token in enumerate(data.tokens):
-        if vocab.setdefault(token, i) != i:
-            raise TokenizerError(f"{data.source}: token {i} {token!r} repeats token {vocab[token]}")
+    vocab = _vocabulary(data)
     if data.merges is None:
         raise TokenizerError(f"{data.source}: a gemma4 vocabulary needs tokenizer.ggml.merges")
     specials = _gguf_special_tokens(data)
@@ -558,11 +547,24 @@ def _gemma4(cls, data: TokenizerData) -> "Tokenizer":
                   "unk_token": specials.get("unk_token"), "fuse_unk": True, "byte_fallback": True,
                   "ignore_merges": False},
     }
+    return _from_spec(cls, data, spec)
+
+
+def _vocabulary(data: TokenizerData) -> dict:
+    vocab = {}
+    for i, token in enumerate(data.tokens):
+        if vocab.setdefault(token, i) != i:
+            raise TokenizerError(f"{data.source}: token {i} {token!r} repeats token {vocab[token]}")
+    return vocab
+
+
+def _from_spec(cls, data: TokenizerData, spec: dict) -> "Tokenizer":
+    """The tokenizer of a GGUF's tokenizer.json-style `spec`, with the file's BOS/EOS, flags and chat template."""
     bos_ids = () if data.bos is None else (data.bos,)
     tok = cls.__new__(cls)
     tok._bind(json.dumps(spec), spec, data.source, bos_ids, data.eos, list(bos_ids) if data.add_bos is not False
               else [], list(data.eos[:1]) if data.add_eos else [], data.chat_template)
-    tok.special_tokens = specials
+    tok.special_tokens = _gguf_special_tokens(data)
     return tok
 
 
