@@ -22,9 +22,10 @@ The contention rows decode beside one CPU-bound process at nice 0 (a competitor)
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
 share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
 bench/bandwidth.py's plain read on --threads threads; an untied embedding counts one row, i.e. nothing), beside
-each engine's peak RSS (VmHWM of its worker after decode and prefill; llama-bench's from wait4). For lmstack's
-requantized formats (int8, int4) the bytes are the file's, so the share is an effective one. `--cold-start` adds
-the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's `llama-completion`.
+each engine's peak RSS (VmHWM of its worker after decode and prefill; llama-bench's read while it runs). For
+lmstack's requantized formats (int8, int4) the bytes are the file's, so the share is an effective one.
+`--cold-start` adds the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's
+`llama-completion`.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from bandwidth import read_bandwidth
 from workers import Worker, serve
 
 DEFAULT_ROWS = "BF16=bfloat16,Q8_0=int8,Q4_0=int4"
+RSS_POLL = 0.05  # seconds between readings of llama-bench's peak RSS (VmHWM only grows; its last reading counts)
 LONG_DECODE = 32  # tokens decoded after each long context
 CHUNK = 512  # prefill chunk of the long contexts (llama.cpp's default batch)
 
@@ -53,9 +55,8 @@ CHUNK = 512  # prefill chunk of the long contexts (llama.cpp's default batch)
 
 class Engine:
     def peak_rss(self) -> float:
-        """MB: the worker process's peak resident set so far (VmHWM)."""
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+        """MB: the worker process's peak resident set so far."""
+        return high_water_mark()
 
 
 class Lmstack(Engine):
@@ -152,15 +153,26 @@ def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int
     empty prompt)."""
     command = [binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", str(repeats),
                "-o", "json"]
-    with tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
-        out = process.stdout.read()
-        _, status, usage = os.wait4(process.pid, 0)  # the child's own peak RSS, in kB
-        process.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        peak = 0.0
+        while process.poll() is None:  # wait4's ru_maxrss would be this process's: a child inherits it at fork
+            peak = max(peak, high_water_mark(process.pid) or 0.0)
+            time.sleep(RSS_POLL)
+        out.seek(0)
+        err.seek(0)
         if process.returncode != 0:
-            err.seek(0)
             raise RuntimeError(f"llama-bench exited with {process.returncode}: {err.read()[-500:]}")
-    return json.loads(out)[0]["avg_ts"], usage.ru_maxrss / 1024
+        return json.loads(out.read())[0]["avg_ts"], peak
+
+
+def high_water_mark(pid="self") -> float | None:
+    """MB: a process's peak resident set so far (VmHWM), None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")), None)
+    except OSError:
+        return None
 
 
 class Transformers(Engine):
