@@ -479,6 +479,20 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
   alignas(64) float w[T::QK];
   __m512i index[4];
   pair_sub_blocks<T>(index);
+  if (!f32 && M == 1) {  // a decode's one row of x: the TILE rows' partial sums stay in registers
+    __m512 part[TILE];
+    for (int r = 0; r < TILE; r++) part[r] = _mm512_setzero_ps();
+    const int8_t* q = xq.q.data();
+    const float* d = xq.d.data();
+    const int16_t* s = xq.sums.data();
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      for (int r = 0; r < TILE; r++)
+        part[r] = dot_superblock<T>(Unpacked<T>(rec + r * T::BYTES), index, q + b * 256, d[b], s + b * 16, part[r]);
+    }
+    for (int r = 0; r < TILE; r++) sums[r] = _mm512_reduce_add_ps(part[r]);
+    return;
+  }
   std::fill(acc, acc + M * TILE * 16, 0.0f);
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
