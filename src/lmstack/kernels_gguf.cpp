@@ -267,11 +267,16 @@ inline void nibbles_by_32(const uint8_t* p, __m512i* q) {
 // Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, as sixteen 16-bit lanes: the
 // scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high)
 // nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
-inline __m256i scales_mins_6bit(const uint8_t* s) {
-  const uint32_t a = u32_at(s), b = u32_at(s + 4), c = u32_at(s + 8);
-  const uint64_t sc = (a & 0x3F3F3F3F) | uint64_t((c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)) << 32;
-  const uint64_t mn = (b & 0x3F3F3F3F) | uint64_t(((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)) << 32;
-  return _mm256_cvtepu8_epi16(_mm_set_epi64x(int64_t(mn), int64_t(sc)));
+inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block holds more after its scales
+  const __m128i v = _mm_loadu_si128((const __m128i*)s);
+  // lane j of sixteen: the byte holding its low bits (the high nibble for the mins of j >= 4), then its top two
+  __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  low = _mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i mask = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i bits = _mm_or_si128(_mm_and_si128(low, mask),
+                                    _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+  return _mm256_cvtepu8_epi16(bits);
 }
 // the eight scales (half 0) or mins (half 1) of them, zeros past: one computation shared by both calls
 template <int HALF>
