@@ -252,17 +252,36 @@ inline uint32_t u32_at(const uint8_t* p) {
   return v;
 }
 
-// eight bytes (lo, then hi) as the low eight of sixteen 16-bit lanes
-inline __m256i lanes16(uint32_t lo, uint32_t hi) {
-  return _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(lo) | int64_t(hi) << 32)));
+// 128 bytes of nibbles where weight 64c + 32s + l is nibble s of byte 32c + l, as the bytes of weights 64c..64c+63
+// in q[c]: each 64-byte load holds two chunks' nibbles
+inline void nibbles_by_32(const uint8_t* p, __m512i* q) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int h = 0; h < 2; h++) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * h);
+    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    q[2 * h] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+    q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+  }
 }
 
-// Q4_K and Q5_K's twelve bytes of 6-bit scales (and, mins: the mins) for eight sub-blocks of 32: sub-block j < 4
-// in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high) nibble of byte j + 4 and the top two
-// bits of byte j - 4 (mins: j)
-inline __m256i scales_6bit(const uint8_t* s, bool mins) {
-  const uint32_t a = u32_at(s + (mins ? 4 : 0)), c = u32_at(s + 8) >> (mins ? 4 : 0);
-  return lanes16(a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030));
+// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, as sixteen 16-bit lanes: the
+// scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high)
+// nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
+inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block holds more after its scales
+  const __m128i v = _mm_loadu_si128((const __m128i*)s);
+  // lane j of sixteen: the byte holding its low bits (the high nibble for the mins of j >= 4), then its top two
+  __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  low = _mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i mask = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i bits = _mm_or_si128(_mm_and_si128(low, mask),
+                                    _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+  return _mm256_cvtepu8_epi16(bits);
+}
+// the eight scales (half 0) or mins (half 1) of them, zeros past: one computation shared by both calls
+template <int HALF>
+inline __m256i scales_6bit(const uint8_t* s) {
+  return _mm256_zextsi128_si256(_mm256_extracti128_si256(scales_mins_6bit(s), HALF));
 }
 
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
@@ -306,11 +325,9 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
 struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
   static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0;
   static constexpr bool MINS = true;
-  static void unpack(const uint8_t* b, __m512i* q) {  // weight 64c + 32s + l: nibble s of byte 32c + l
-    for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * c, 0, 4, 15);
-  }
-  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
+  static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + 4); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + 4); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -318,13 +335,18 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128
 struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
   static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0;
   static constexpr bool MINS = true;
-  static void unpack(const uint8_t* b, __m512i* q) {
-    for (int c = 0; c < 4; c++)
-      q[c] = _mm512_or_si512(fields(b + 48 + 32 * c, 0, 4, 15),
-                             _mm512_slli_epi16(fields(b + 16, 2 * c, 2 * c + 1, 1), 4));
+  static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
+    nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32, as 16 added where it is set
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
+    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
+    for (int c = 0; c < 4; c++) {
+      const __mmask64 set = _mm512_test_epi8_mask(_mm512_srli_epi16(high, 2 * c), bit);
+      q[c] = _mm512_mask_add_epi8(q[c], set, q[c], _mm512_set1_epi8(16));
+    }
   }
-  static __m256i scales(const uint8_t* b) { return scales_6bit(b + 4, false); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit(b + 4, true); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + 4); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + 4); }
   static float d(const uint8_t* b) { return half_at(b); }
   static float dmin(const uint8_t* b) { return half_at(b + 2); }
 };
@@ -462,6 +484,20 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
   alignas(64) float w[T::QK];
   __m512i index[4];
   pair_sub_blocks<T>(index);
+  if (!f32 && M == 1) {  // a decode's one row of x: the TILE rows' partial sums stay in registers
+    __m512 part[TILE];
+    for (int r = 0; r < TILE; r++) part[r] = _mm512_setzero_ps();
+    const int8_t* q = xq.q.data();
+    const float* d = xq.d.data();
+    const int16_t* s = xq.sums.data();
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      for (int r = 0; r < TILE; r++)
+        part[r] = dot_superblock<T>(Unpacked<T>(rec + r * T::BYTES), index, q + b * 256, d[b], s + b * 16, part[r]);
+    }
+    for (int r = 0; r < TILE; r++) sums[r] = _mm512_reduce_add_ps(part[r]);
+    return;
+  }
   std::fill(acc, acc + M * TILE * 16, 0.0f);
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);

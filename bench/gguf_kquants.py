@@ -1,0 +1,91 @@
+"""Microbenchmark of the K-quant kernels on one layer's shapes (8192x2048 and 2048x8192, random blocks with sane
+scales): the bf16 matvec (decode) and the dequantize to bfloat16 (prefill), per type. With --baseline REV the
+kernels_gguf.cpp of git revision REV is built beside this tree's and the two are timed alternately in one run."""
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from lmstack import kernels
+from lmstack.formats import GGUF_DENSE_BYTES
+
+SRC = Path(kernels.__file__).parent
+
+
+def sane_blocks(qtype, rows, cols, seed=0) -> torch.Tensor:
+    """Random blocks whose float16 scales (d, dmin) are 1e-3 (the weights then spread as a model's do)."""
+    kind = kernels.GGUF_TYPES[qtype.value]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // kind.values, kind.bytes), dtype=np.uint8)
+    for at in kind.float16_at:
+        raw[..., at:at + 2] = np.array([1e-3], np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def build_baseline(rev: str):
+    """REV's kernels_gguf.cpp as the operators lmstack_base.gguf_matvec / gguf_dequantize."""
+    from torch.utils import cpp_extension
+
+    source = subprocess.run(["git", "show", f"{rev}:src/lmstack/kernels_gguf.cpp"], capture_output=True, text=True,
+                            check=True, cwd=SRC).stdout
+    build = Path(".torch_ext/gguf_baseline")
+    build.mkdir(parents=True, exist_ok=True)
+    path = build / "kernels_gguf_base.cpp"
+    text = source.replace("TORCH_LIBRARY_FRAGMENT(lmstack,", "TORCH_LIBRARY_FRAGMENT(lmstack_base,")
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    cpp_extension.load(name="lmstack_gguf_base", sources=[str(path)], extra_cflags=kernels.FLAGS,
+                       extra_include_paths=[str(SRC)], build_directory=str(build), is_python_module=False)
+    return torch.ops.lmstack_base
+
+
+def seconds(f, repeat):
+    f()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--baseline", help="a git revision to compare with")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    assert kernels.available()
+    ops = {"new": torch.ops.lmstack}
+    if args.baseline:
+        ops = {"base": build_baseline(args.baseline), **ops}
+    for name in args.types.split(","):
+        qtype = Q[name]
+        for n, k in ((8192, 2048), (2048, 8192)):
+            packed = kernels.pack_gguf(sane_blocks(qtype, n, k), qtype.value)
+            x = torch.randn(1, k).bfloat16()
+            nbytes = packed.numel()
+            # a prefill dequantizes GGUF_DENSE_BYTES of bfloat16 weights at a time (formats.py)
+            rows = min(n, GGUF_DENSE_BYTES // (2 * k))
+            chunk = packed[:rows // kernels.TILE]
+            row = []
+            for label, op in ops.items():
+                mv = seconds(lambda: op.gguf_matvec(x, packed, qtype.value, n, None), args.repeat)
+                dq = seconds(lambda: op.gguf_dequantize(chunk, qtype.value, rows, k, None, torch.bfloat16), args.repeat)
+                row.append(f"{label}: matvec {mv * 1e3:6.2f} ms ({nbytes / mv / 1e9:5.2f} GB/s)"
+                           f"  dequant-bf16 {dq * 1e3:6.2f} ms ({rows * k / dq / 1e9:5.2f} Gw/s)")
+            if len(ops) == 2:  # the outputs agree bit for bit
+                for what in (lambda op: op.gguf_matvec(x, packed, qtype.value, n, None),
+                             lambda op: op.gguf_dequantize(chunk, qtype.value, rows, k, None, torch.bfloat16)):
+                    assert torch.equal(what(ops["base"]), what(ops["new"])), f"{name}: results differ"
+            print(f"{name} {n}x{k}  " + "  |  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
