@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from conftest import BASE, _perturb
+from test_gguf import finish, gguf_writer
 from lmstack import CausalLM, UnsupportedModel, plan_for
 from lmstack.gguf import GGUFFile
 
@@ -78,13 +79,7 @@ def write_gemma_gguf(path, reference, arch, extra):
     """As llama.cpp's convert_hf_to_gguf.py writes Gemma: norms stored as 1 + weight, q/k rows as they are, no
     output tensor (tied); `extra` writes the metadata keys beyond the shared ones."""
     c = reference.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = gguf_writer(path, c, arch)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -108,10 +103,7 @@ def write_gemma_gguf(path, reference, arch, extra):
             _, _, i, stem = name.removesuffix(".weight").split(".", 3)
             gguf_name = f"blk.{i}.{GGUF_LAYER[stem]}.weight"
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def gemma2_keys(c):

@@ -38,19 +38,33 @@ def tiny_vocab(size: int) -> tuple[list[str], list[str]]:
     return singles + pairs + ["<s>", "</s>"], [f"{p[0]} {p[1]}" for p in pairs]
 
 
+def gguf_writer(path, config, arch: str) -> gguf.GGUFWriter:
+    """A GGUFWriter for `arch` holding the sizes every architecture's metadata gives, from a transformers config."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter):
+    """Write the header, the metadata and the tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(path, reference, arch="llama", qtype=Q.F32, tensor_types=None):
     """Write a transformers model as llama.cpp would: 2-D weights in `qtype`, norms in F32, q/k permuted for llama.
 
     Returns {Hugging Face name: the float32 tensor the file holds, in HF layout}.
     """
     c = reference.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = gguf_writer(path, c, arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim != c.hidden_size // c.num_attention_heads:
         writer.add_key_length(head_dim)
@@ -84,10 +98,7 @@ def write_gguf(path, reference, arch="llama", qtype=Q.F32, tensor_types=None):
                 n = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
                 stored = stored.reshape(n, -1, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
             held[name] = stored
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return held
 
 

@@ -18,7 +18,7 @@ from lmstack.config import ConfigError
 from lmstack.families.moe import NAMES
 from lmstack.formats import GGUFLinear, Int4Linear, Int8Linear, MatvecLinear, row_invariant
 from lmstack.gguf import GGUFFile
-from test_gguf import permute, tiny_vocab
+from test_gguf import finish, gguf_writer, permute, tiny_vocab
 
 QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_experts=8, num_experts_per_tok=2,
@@ -165,13 +165,7 @@ def write_moe_gguf(path, reference, qtype=Q.F32, per_expert=False) -> dict:
     `qtype` (the router F32). Returns {transformers name: float32 tensor the file holds}."""
     c = reference.config
     mixtral = c.model_type == "mixtral"
-    writer = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = gguf_writer(path, c, "llama" if mixtral else "qwen3moe")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -221,10 +215,7 @@ def write_moe_gguf(path, reference, qtype=Q.F32, per_expert=False) -> dict:
             n = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             value = value.reshape(n, -1, 2, value.shape[1]).transpose(1, 2).reshape(value.shape)
         held[name] = value
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return held
 
 
@@ -319,10 +310,7 @@ def test_convert_writes_a_mixture_transformers_loads(tiny_checkpoint, tmp_path, 
 def test_a_stacked_experts_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path, shape):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
     writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros(shape, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(Exception, match=r"blk\.0\.ffn_gate_exps\.weight.*\(in, out, experts\)"):
         GGUFFile(tmp_path / "m.gguf")
 

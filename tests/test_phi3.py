@@ -6,13 +6,13 @@ import math
 import subprocess
 import sys
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
 
 from conftest import BASE, _perturb
+from test_gguf import finish, gguf_writer
 from lmstack import CausalLM, ConfigError, UnsupportedModel, plan_for
 from lmstack.engine import Engine
 
@@ -120,13 +120,7 @@ def write_phi3_gguf(path, reference):
     c = reference.config
     rope = c.rope_parameters
     head_dim = c.hidden_size // c.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = gguf_writer(path, c, "phi3")
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -153,10 +147,7 @@ def write_phi3_gguf(path, reference):
             _, _, i, rest = stem.split(".", 3)
             gguf_name = f"blk.{i}.{layer[rest]}"
         writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("which", ["crossing", "phi4_mini"])
