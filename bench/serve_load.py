@@ -21,7 +21,6 @@ waiting, /metrics must show every KV block free.
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import random
@@ -34,15 +33,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from serve_http import free_port, wait_healthy
+
 KINDS = {"stream": 0.4, "whole": 0.3, "leave": 0.15, "slow": 0.15}
 WORDS = ("river lamp orbit garden copper violin winter harbor signal maple engine quiet lantern desert "
          "mirror comet meadow ladder cipher thunder").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resident_mib(pid: int) -> float:
@@ -247,18 +242,7 @@ def main():
     process = subprocess.Popen(command, env=env, stderr=log)
     model = args.model or "smollm2"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, f"lmstack serve exited (log: {log.name})"
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_healthy(port, process, f"lmstack serve (log: {log.name})")
         idle = resident_mib(process.pid)
         result = asyncio.run(run(args, process, port, model))
     finally:
