@@ -137,6 +137,57 @@ def test_a_short_prompt_does_not_wait_behind_a_long_ones_chunks(llama):
     assert [list(first), list(second)] == [alone(llama, long, max_tokens=4), alone(llama, short, max_tokens=4)]
 
 
+def test_a_short_request_is_admitted_before_a_full_queue_of_long_ones(llama):
+    long, short = prompts(6, seed=20, shortest=10, longest=10), prompts(1, seed=21, longest=3)[0]
+    engine = engine_for(llama, max_running=1, short_slots=0)  # not started: each step() is one step
+    longs = [engine.add(p, max_tokens=8, eos_ids=()) for p in long]
+    engine.step()
+    quick = engine.add(short, max_tokens=2, eos_ids=())
+    while quick.finish_reason is None:
+        engine.step()
+    assert [len(h.tokens) for h in longs] == [8, 0, 0, 0, 0, 0]  # five were waiting before it came
+    assert [list(h) for h in longs] == [alone(llama, p, max_tokens=8, eos_ids=()) for p in long]
+    assert list(quick) == alone(llama, short, max_tokens=2, eos_ids=())
+
+
+def test_a_slot_kept_for_short_requests_admits_one_at_once(llama):
+    long, short = prompts(5, seed=22, shortest=10, longest=10), prompts(1, seed=23, longest=3)[0]
+    engine = engine_for(llama, max_running=3, short_slots=1, short_tokens=4)
+    longs = [engine.add(p, max_tokens=20, eos_ids=()) for p in long]
+    engine.step()
+    assert engine.stats()["running"] == 2  # long requests never take the third slot
+    quick = engine.add(short, max_tokens=2, eos_ids=())
+    engine.step()
+    engine.step()
+    assert quick.finish_reason == "length" and [len(h.tokens) for h in longs] == [3, 3, 0, 0, 0]
+    assert [list(h) for h in longs] == [alone(llama, p, max_tokens=20, eos_ids=()) for p in long]
+    assert list(quick) == alone(llama, short, max_tokens=2, eos_ids=())
+
+
+def test_a_long_request_is_not_starved_by_a_stream_of_shorter_ones(llama):
+    """More short requests arrive than the engine finishes, all with less work than the long one: each step
+    waited counts as a token of work less, so it overtakes those that arrive later and finishes."""
+    cases = prompts(200, seed=24, shortest=2, longest=2)
+    engine = engine_for(llama, max_running=2, short_slots=1, short_tokens=4)
+    engine.add(cases[0], max_tokens=4, eos_ids=())
+    engine.step()
+    long = prompts(1, seed=25, shortest=10, longest=10)[0]
+    patient = engine.add(long, max_tokens=30, eos_ids=())
+    for step, prompt in enumerate(cases[1:]):
+        if patient.finish_reason is not None:
+            break
+        engine.add(prompt, max_tokens=4, eos_ids=())
+        engine.step()
+    assert patient.finish_reason == "length", f"not finished after {step} steps"
+    assert engine.stats()["waiting"] > 10  # the short ones kept coming faster than they were served
+    assert list(patient) == alone(llama, long, max_tokens=30, eos_ids=())
+
+
+def test_short_slots_must_leave_a_slot_for_long_requests(llama):
+    with pytest.raises(ValueError, match=r"short_slots must be an integer in \[0, max_running 4\), got 4"):
+        engine_for(llama, max_running=4, short_slots=4)
+
+
 def test_a_pool_too_small_for_all_completes_all_through_preemption(llama):
     cases = prompts(8, seed=5, shortest=20, longest=40)
     engine = engine_for(llama, blocks=9)  # each request needs 2-4 blocks of 16

@@ -218,10 +218,15 @@ class Engine:
     """Serves many requests at once on one model (see the package docstring)."""
 
     def __init__(self, model, tokenizer=None, *, max_running: int = 16, kv_cache_memory: int | None = None,
-                 block_size: int = 16, max_prefill_tokens: int = 512):
+                 block_size: int = 16, max_prefill_tokens: int = 512, short_slots: int | None = None,
+                 short_tokens: int = 16):
         for name, value in (("max_running", max_running), ("block_size", block_size),
-                            ("max_prefill_tokens", max_prefill_tokens)):
+                            ("max_prefill_tokens", max_prefill_tokens), ("short_tokens", short_tokens)):
             _positive_int(name, value)
+        if short_slots is None:
+            short_slots = max_running // 8
+        if isinstance(short_slots, bool) or not isinstance(short_slots, int) or not 0 <= short_slots < max_running:
+            raise ValueError(f"short_slots must be an integer in [0, max_running {max_running}), got {short_slots!r}")
         if any(d != model.device for d in model.layer_devices):
             raise ValueError("the engine runs a model whose layers are all on one device")
         self.model, self.tokenizer = model, tokenizer
@@ -239,7 +244,8 @@ class Engine:
         memory.ensure(self.kv_cache_memory, model.device, f"a KV pool of {self.n_blocks} blocks (kv_cache_memory)")
         self.pool = BlockPool(self.n_blocks, block_size) if self.n_blocks else None
         self.runner = Runner(model, self.n_blocks, block_size, max_running)
-        self.scheduler = Scheduler(self.pool, max_running, max_prefill_tokens, self.runner.chunk_align)
+        self.scheduler = Scheduler(self.pool, max_running, max_prefill_tokens, self.runner.chunk_align,
+                                   short_slots, short_tokens)
         self._lock = threading.Lock()  # guards what add, abort and the stepping thread hand each other
         self._wake = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
@@ -367,7 +373,7 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")
-            seq = Seq(self._arrivals, prompt, len(prompt))
+            seq = Seq(self._arrivals, prompt, len(prompt), max_tokens)
             if sample_of is not None:
                 if sample_of._seq.tokens[:sample_of._seq.n_prompt] != prompt:
                     raise ValueError("sample_of is a request of other prompt_ids")

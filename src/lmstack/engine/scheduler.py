@@ -3,9 +3,18 @@
 Every step, each running sequence whose tokens are all computed decodes one token; within `max_prefill_tokens`
 prompt tokens a step, waiting sequences whose prompts fit whole are admitted first (so a short prompt never waits
 behind a long one's chunks), then sequences still prefilling take chunks of their prompt, then more waiting
-sequences are admitted, oldest first, while there is room. When the KV pool runs short, the newest running sequence
-is preempted: its blocks are released and it waits to be computed again (its full blocks stay cached, so it often
-finds them again).
+sequences are admitted while there is room.
+
+Waiting sequences are admitted in rank order: the step a request arrived plus its expected work (prompt tokens +
+max_tokens), so the request with less work goes first, and each step waited counts as one token of work less:
+a long request is overtaken only by requests that arrived fewer steps after it than it has extra work, so it
+never starves. `short_slots` of the `max_running` slots are kept for short requests (a prompt that one step
+computes whole, at most `short_tokens` tokens to make), taken by the short request of least work: however long
+the running requests are, one of those slots is free again within `short_tokens` steps, so a quick question
+(a one-token completion, a health probe through the model) gets its answer while long ones stream.
+
+When the KV pool runs short, the running sequence of the highest rank is preempted: its blocks are released and
+it waits to be computed again, keeping its rank (its full blocks stay cached, so it often finds them again).
 """
 
 import bisect
@@ -21,6 +30,8 @@ class Seq:
     arrival: int
     tokens: list  # prompt, then every token made
     n_prompt: int
+    max_tokens: int = 1
+    rank: int = 0  # admission order, lowest first: the scheduler's step at arrival + work
     n_computed: int = 0  # tokens whose keys and values (or recurrent state) are computed
     kv: Sequence = field(default_factory=Sequence)
     slot: int | None = None  # recurrent models: the state slot it holds while running
@@ -30,21 +41,34 @@ class Seq:
     def prefilling(self) -> bool:
         return self.n_computed < self.n_prompt
 
+    @property
+    def work(self) -> int:
+        """Tokens it computes at most: its prompt and every token it may make."""
+        return self.n_prompt + self.max_tokens
+
     def __lt__(self, other):
-        return self.arrival < other.arrival
+        return (self.rank, self.arrival) < (other.rank, other.arrival)
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool | None, max_running: int, max_prefill_tokens: int, chunk_align: int = 1):
+    def __init__(self, pool: BlockPool | None, max_running: int, max_prefill_tokens: int, chunk_align: int = 1,
+                 short_slots: int = 0, short_tokens: int = 16):
         self.pool = pool  # None: a recurrent model, whose states take no blocks
         self.max_running, self.max_prefill_tokens, self.chunk_align = max_running, max_prefill_tokens, chunk_align
-        self.waiting: list[Seq] = []  # by arrival
-        self.running: list[Seq] = []  # by arrival: the newest is preempted first
+        self.short_slots, self.short_tokens = short_slots, short_tokens
+        self.waiting: list[Seq] = []  # by rank
+        self.running: list[Seq] = []  # by rank: the highest is preempted first
         self.free_slots = list(range(max_running))
         self.preemptions = 0
+        self.steps = 0
 
     def add(self, seq: Seq):
+        seq.rank = self.steps + seq.work
         bisect.insort(self.waiting, seq)
+
+    def short(self, seq: Seq) -> bool:
+        """Whether seq may take a slot kept for short requests: it leaves it within short_tokens steps."""
+        return seq.max_tokens <= self.short_tokens and seq.n_prompt <= self.max_prefill_tokens
 
     def remove(self, seq: Seq):
         """Take seq out of the queues (finished or aborted) and release what it holds."""
@@ -76,10 +100,11 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Seq, int]]:
         """(sequence, number of its next tokens to compute) for the next step."""
+        self.steps += 1
         batch: dict[Seq, int] = {}
         prefilling = []
         for seq in list(self.running):  # decodes first: they take none of the prefill budget
-            if seq not in self.running:  # preempted for an older one
+            if seq not in self.running:  # preempted for one ranked before it
                 continue
             if len(seq.tokens) - seq.n_computed > 1:
                 prefilling.append(seq)
@@ -95,7 +120,8 @@ class Scheduler:
         return list(batch.items())
 
     def _place(self, batch: dict, seq: Seq, n: int) -> bool:
-        """Put n tokens of seq in the batch, preempting the newest running sequences while the pool is short."""
+        """Put n tokens of seq in the batch, preempting the highest-ranked running sequences while the pool is
+        short."""
         while not self._grow(seq, seq.n_computed + n):
             victim = self.running[-1]
             self._preempt(victim)
@@ -105,11 +131,19 @@ class Scheduler:
         batch[seq] = n
         return True
 
+    def _next(self) -> Seq | None:
+        """The waiting sequence a free slot takes: the first in rank while a slot is free for any request, else,
+        while one kept for short requests is, the short one of least work."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return None
+        if sum(not self.short(seq) for seq in self.running) < self.max_running - self.short_slots:
+            return self.waiting[0]
+        return min((seq for seq in self.waiting if self.short(seq)), key=lambda seq: (seq.work, seq), default=None)
+
     def _admit(self, batch: dict, budget: int, *, whole: bool) -> int:
-        """Admit waiting sequences, oldest first, while there is room (whole: only while the oldest's prompt fits
-        the budget whole); the budget left."""
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
-            seq = self.waiting[0]
+        """Admit waiting sequences (_next) while there is room (whole: only while the next one's prompt fits the
+        budget whole); the budget left."""
+        while budget > 0 and (seq := self._next()) is not None:
             if self.pool is not None and seq.leader in self.running and seq.leader.prefilling:
                 break  # once its leader's prompt is computed, its full blocks are found in the prefix cache
             hits = []
@@ -122,7 +156,7 @@ class Scheduler:
             n = self._chunk(left, budget)
             if self.pool is not None and self.pool.cost(hits, cached + n) > self.pool.n_free:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             if self.pool is not None:
                 self.pool.admit(seq.kv, hits, len(seq.tokens) // self.pool.block_size)
                 self.pool.grow(seq.kv, cached + n)
