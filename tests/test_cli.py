@@ -125,6 +125,7 @@ def test_info_shows_each_gguf_tensor_type_with_its_bytes_and_the_cost_of_dequant
     (("generate", "hi", "--model", "/no/such/model"), "/no/such/model: no such checkpoint directory or file"),
     (("generate", "hi", "--temperature", "-1"), "temperature must be a number >= 0"),
     (("convert", "/no/such.gguf", "out"), "/no/such.gguf: no such checkpoint"),
+    (("serve", "--max-running", "4", "--short-slots", "4"), "--short-slots 4 leaves no slot of --max-running 4"),
 ])
 def test_errors_are_one_line_and_exit_non_zero(args, message):
     code, out, err = lmstack(*args)

@@ -161,6 +161,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=_size_arg, default=None, metavar="SIZE",
                    help="KV cache pool, e.g. 2GiB (default: the engine's, see lmstack.engine)")
     p.add_argument("--max-prefill-tokens", type=_positive, default=512, help="prompt tokens per engine step")
+    p.add_argument("--short-slots", type=_natural, default=None, metavar="N",
+                   help="of the --max-running slots, those kept for short requests (default: max-running // 8)")
+    p.add_argument("--short-tokens", type=_positive, default=16, metavar="N",
+                   help="a short request makes at most N tokens, from a prompt that one step computes whole")
     p.add_argument("--max-tokens-limit", type=_positive, default=4096, help="the most max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--cors-origins", nargs="+", default=[], metavar="ORIGIN", help="allow these browser origins")
@@ -423,6 +427,9 @@ def _serve(args):
 
     from .server import Service, serve
 
+    if args.short_slots is not None and args.short_slots >= args.max_running:
+        raise ValueError(f"--short-slots {args.short_slots} leaves no slot of --max-running {args.max_running} "
+                         "for requests that are not short")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     service = Service(args.served_model_name or args.model or models.DEFAULT, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
@@ -431,7 +438,8 @@ def _serve(args):
                       send_timeout=args.send_timeout, tool_call_parser=args.tool_call_parser)
     serve(lambda: _load(args), service, host=args.host, port=args.port,
           engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
-                              max_prefill_tokens=args.max_prefill_tokens))
+                              max_prefill_tokens=args.max_prefill_tokens, short_slots=args.short_slots,
+                              short_tokens=args.short_tokens))
 
 
 def _convert(args):

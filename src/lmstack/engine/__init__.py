@@ -1,7 +1,7 @@
 """Serving many requests at once: continuous batching over a paged KV cache with prefix reuse.
 
     engine = Engine(model, tokenizer=None, *, max_running=16, kv_cache_memory=None, block_size=16,
-                    max_prefill_tokens=512)
+                    max_prefill_tokens=512, short_slots=max_running // 8, short_tokens=16)
     engine.start()                  # step in a background thread; engine.close() stops it (requests still running
                                     # end with EngineError); `with Engine(...) as engine:` does both
     handle = engine.add(prompt_ids, *, max_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -33,8 +33,9 @@ same prompt (OpenAI's n): it starts once that one's prompt is computed and share
 
 Each step the scheduler (scheduler.py) gives every running sequence one decode token and prompts chunks of
 at most max_prefill_tokens in all, admits waiting requests while fewer than max_running run (a prompt that fits
-the step whole before the next chunk of a longer one), and when the KV pool is short preempts the newest
-sequence (recomputed later). The block manager (kv_cache.py) hands out
+the step whole before the next chunk of a longer one; the least work first, prompt + max_tokens less the steps
+waited, so nothing starves; short_slots of the slots only for requests of at most short_tokens tokens to make),
+and when the KV pool is short preempts the sequence admitted last in that order (recomputed later). The block manager (kv_cache.py) hands out
 blocks of block_size token slots from one pool of kv_cache_memory bytes (default: enough for max_running
 sequences of the model's whole context, but at most a quarter of the memory free at start), and keeps full
 blocks keyed by their prefix for later prompts that start the same way. The pool is not touched when it is
