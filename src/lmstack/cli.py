@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=_positive, default=512, help="prompt tokens per engine step")
     p.add_argument("--short-slots", type=_natural, default=None, metavar="N",
                    help="of the --max-running slots, those kept for short requests (default: max-running // 8)")
-    p.add_argument("--short-tokens", type=_positive, default=16, metavar="N",
+    p.add_argument("--short-tokens", type=_positive, default=8, metavar="N",
                    help="a short request makes at most N tokens, from a prompt that one step computes whole")
     p.add_argument("--max-tokens-limit", type=_positive, default=4096, help="the most max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413")

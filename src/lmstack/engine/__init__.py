@@ -1,7 +1,7 @@
 """Serving many requests at once: continuous batching over a paged KV cache with prefix reuse.
 
     engine = Engine(model, tokenizer=None, *, max_running=16, kv_cache_memory=None, block_size=16,
-                    max_prefill_tokens=512, short_slots=max_running // 8, short_tokens=16)
+                    max_prefill_tokens=512, short_slots=max_running // 8, short_tokens=8)
     engine.start()                  # step in a background thread; engine.close() stops it (requests still running
                                     # end with EngineError); `with Engine(...) as engine:` does both
     handle = engine.add(prompt_ids, *, max_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,

@@ -219,7 +219,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_running: int = 16, kv_cache_memory: int | None = None,
                  block_size: int = 16, max_prefill_tokens: int = 512, short_slots: int | None = None,
-                 short_tokens: int = 16):
+                 short_tokens: int = 8):
         for name, value in (("max_running", max_running), ("block_size", block_size),
                             ("max_prefill_tokens", max_prefill_tokens), ("short_tokens", short_tokens)):
             _positive_int(name, value)

@@ -52,7 +52,7 @@ class Seq:
 
 class Scheduler:
     def __init__(self, pool: BlockPool | None, max_running: int, max_prefill_tokens: int, chunk_align: int = 1,
-                 short_slots: int = 0, short_tokens: int = 16):
+                 short_slots: int = 0, short_tokens: int = 8):
         self.pool = pool  # None: a recurrent model, whose states take no blocks
         self.max_running, self.max_prefill_tokens, self.chunk_align = max_running, max_prefill_tokens, chunk_align
         self.short_slots, self.short_tokens = short_slots, short_tokens
