@@ -11,7 +11,7 @@ Starts `lmstack serve` (the default model unless `--model`) and keeps `--connect
 
 A client answered 429 waits its Retry-After. Meanwhile, once a second, a fresh client asks /health and another
 a one-token completion; their latencies' p50/p99 are reported (an answer is what counts: a 429 with Retry-After
-is the front door open), with the server's resident memory sampled every 5 s and its slope (MiB/min, least
+is the front door open; the one-token probes answered 200 are also reported alone), with the server's resident memory sampled every 5 s and its slope (MiB/min, least
 squares) from `--settle` seconds on. At the end the load stops, and once the server has nothing running or
 waiting, /metrics must show every KV block free.
 
@@ -22,6 +22,7 @@ waiting, /metrics must show every KV block free.
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -38,6 +39,16 @@ from serve_http import free_port, wait_healthy
 KINDS = {"stream": 0.4, "whole": 0.3, "leave": 0.15, "slow": 0.15}
 WORDS = ("river lamp orbit garden copper violin winter harbor signal maple engine quiet lantern desert "
          "mirror comet meadow ladder cipher thunder").split()
+
+
+def machine() -> str:
+    """The CPU model and the number of cores this process may use."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    except OSError:
+        name = "?"
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def resident_mib(pid: int) -> float:
@@ -91,7 +102,6 @@ class Load:
     def __init__(self, args, port: int, model: str):
         self.args, self.port, self.model = args, port, model
         self.outcomes = Counter()  # (kind, outcome)
-        self.health, self.one_token, self.probe_status = [], [], Counter()
         self.stop = False
 
     def body(self, kind: str) -> dict:
@@ -152,29 +162,41 @@ class Load:
             return "still open"
         return "429" if data.startswith(b"HTTP/1.1 429") else "answered in full"
 
-    async def probe(self, path: str, body: dict | None, into: list):
+
+
+def probe_process(port: int, model: str, seconds: float, pipe):
+    """The probes in a process of their own, so that the load's event loop, busy with its clients, delays them
+    no more than it would a client on another machine; sends (health, one_token, statuses) down the pipe."""
+    pipe.send(asyncio.run(probes(port, model, seconds)))
+
+
+async def probes(port: int, model: str, seconds: float) -> tuple:
+    """Once a second for `seconds`, whether the last ones have answered or not: (seconds, status) of each
+    /health and one-token probe answered, and a count of every (path, status or error)."""
+    health, one_token, statuses = [], [], Counter()
+
+    async def probe(path: str, body: dict | None, into: list):
         start = time.perf_counter()
         try:
-            reader, writer = await connect(self.port)
+            reader, writer = await connect(port)
             writer.write(request("GET" if body is None else "POST", path, body))
             status, _ = await asyncio.wait_for(head(reader), 30)
             await asyncio.wait_for(reader.read(), 30)
             writer.transport.abort()
-            into.append(time.perf_counter() - start)
-            self.probe_status[path, status] += 1
+            into.append((time.perf_counter() - start, status))
+            statuses[path, status] += 1
         except (OSError, asyncio.TimeoutError) as e:
-            self.probe_status[path, type(e).__name__] += 1
+            statuses[path, type(e).__name__] += 1
 
-    async def probes(self):
-        """Once a second, whether the last ones have answered or not."""
-        one = {"model": self.model, "prompt": "Hi", "max_tokens": 1}
-        running = set()
-        while not self.stop:
-            for probe in (self.probe("/health", None, self.health), self.probe("/v1/completions", one, self.one_token)):
-                running.add(task := asyncio.create_task(probe))
-                task.add_done_callback(running.discard)
-            await asyncio.sleep(1)
-        await asyncio.wait(running, timeout=60) if running else None
+    one = {"model": model, "prompt": "Hi", "max_tokens": 1}
+    running, end = set(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        for task in (probe("/health", None, health), probe("/v1/completions", one, one_token)):
+            running.add(task := asyncio.create_task(task))
+            task.add_done_callback(running.discard)
+        await asyncio.sleep(1)
+    await asyncio.wait(running, timeout=60) if running else None
+    return health, one_token, statuses
 
 
 async def metrics(port: int) -> dict:
@@ -202,7 +224,7 @@ async def run(args, process, port: int, model: str) -> dict:
             await asyncio.sleep(5)
 
     tasks = [asyncio.create_task(load.client()) for _ in range(args.connections)]
-    tasks += [asyncio.create_task(load.probes()), asyncio.create_task(sample())]
+    tasks.append(asyncio.create_task(sample()))
     await asyncio.sleep(args.minutes * 60)
     load.stop = True
     await asyncio.wait(tasks, timeout=args.request_timeout + 30)
@@ -244,7 +266,15 @@ def main():
     try:
         wait_healthy(port, process, f"lmstack serve (log: {log.name})")
         idle = resident_mib(process.pid)
+        load_before = os.getloadavg()[0]
+        receive, send = multiprocessing.Pipe(duplex=False)
+        prober = multiprocessing.get_context("fork").Process(target=probe_process,
+                                                              args=(port, model, args.minutes * 60, send))
+        prober.start()
         result = asyncio.run(run(args, process, port, model))
+        result["load average"] = (load_before, os.getloadavg()[0])
+        result["probes"] = receive.recv()
+        prober.join()
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -256,14 +286,18 @@ def report(args, idle: float, result: dict, log_name: str):
     settle = args.settle if args.settle < args.minutes * 60 else args.minutes * 30
     late = [(t, y) for t, y in rss if t >= settle]
     print(f"{args.connections} connections for {args.minutes:g} min (server log: {log_name})")
+    print(f"  machine          {machine()}; load average {result['load average'][0]:.1f} at the start, "
+          f"{result['load average'][1]:.1f} at the end")
     for kind in KINDS:
         outcomes = {o: n for (k, o), n in sorted(load.outcomes.items()) if k == kind}
         print(f"  {kind:<7} {sum(outcomes.values()):>6} requests: {outcomes}")
-    print(f"  /health          p50 {percentile(load.health, .5) * 1e3:7.1f} ms  p99 "
-          f"{percentile(load.health, .99) * 1e3:7.1f} ms  ({len(load.health)} probes)")
-    print(f"  one-token        p50 {percentile(load.one_token, .5) * 1e3:7.1f} ms  p99 "
-          f"{percentile(load.one_token, .99) * 1e3:7.1f} ms  ({len(load.one_token)} probes)")
-    print(f"  probe answers    {dict(load.probe_status)}")
+    health, one_token, probe_statuses = result["probes"]
+    for name, answered in (("/health", health), ("one-token", one_token),
+                           ("  of them 200", [probe for probe in one_token if probe[1] == 200])):
+        seconds = [t for t, _ in answered]
+        print(f"  {name:<16} p50 {percentile(seconds, .5) * 1e3:7.1f} ms  p99 {percentile(seconds, .99) * 1e3:7.1f} ms"
+              f"  max {max(seconds, default=float('nan')) * 1e3:7.1f} ms  ({len(seconds)} answered)")
+    print(f"  probe answers    {dict(probe_statuses)}")
     print(f"  RSS              idle {idle:.0f} MiB, peak {max(y for _, y in rss):.0f} MiB, end {rss[-1][1]:.0f} MiB;"
           f" slope from {settle:.0f} s {slope(late):+.2f} MiB/min")
     statuses = {" ".join(re.findall(r'"([^"]*)"', k)[::-1]): int(v) for k, v in result["statuses"].items()}
