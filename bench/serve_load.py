@@ -9,11 +9,12 @@ Starts `lmstack serve` (the default model unless `--model`) and keeps `--connect
     slow        a stream of `--slow-tokens` tokens nobody reads (a small receive buffer, never read): the server
                 must cut it off once its send buffer is full, abort it and count it (lmstack_clients_cut_off_total)
 
-A client answered 429 waits its Retry-After. Meanwhile, once a second, a fresh client asks /health and another
-a one-token completion; their latencies' p50/p99 are reported (an answer is what counts: a 429 with Retry-After
-is the front door open; the one-token probes answered 200 are also reported alone), with the server's resident memory sampled every 5 s and its slope (MiB/min, least
-squares) from `--settle` seconds on. At the end the load stops, and once the server has nothing running or
-waiting, /metrics must show every KV block free.
+A client answered 429 waits its Retry-After. Meanwhile, once a second, a fresh client (from a process of its own)
+asks /health and another a one-token completion; their latencies' p50/p99 are reported (an answer is what counts:
+a 429 with Retry-After is the front door open; the one-token probes answered 200 are also reported alone), with
+the server's resident memory sampled every 5 s and its slope (MiB/min, least squares) from `--settle` seconds on.
+At the end the load stops, and once the server has nothing running or waiting, /metrics must show every KV block
+free.
 
     python bench/serve_load.py                       # 10 minutes, 256 connections (the README's figures)
     python bench/serve_load.py --minutes 2 --connections 64 --settle 60

@@ -31,17 +31,17 @@ own request, "error"), then the sampler. `logprobs=k` records each token's log-p
 alternatives in `handle.logprobs` ([(logprob, [(id, logprob)])]). `sample_of=handle` marks another sample of the
 same prompt (OpenAI's n): it starts once that one's prompt is computed and shares its full KV blocks.
 
-Each step the scheduler (scheduler.py) gives every running sequence one decode token and prompts chunks of
-at most max_prefill_tokens in all, admits waiting requests while fewer than max_running run (a prompt that fits
-the step whole before the next chunk of a longer one; the least work first, prompt + max_tokens less the steps
-waited, so nothing starves; short_slots of the slots only for requests of at most short_tokens tokens to make),
-and when the KV pool is short preempts the sequence admitted last in that order (recomputed later). The block manager (kv_cache.py) hands out
-blocks of block_size token slots from one pool of kv_cache_memory bytes (default: enough for max_running
-sequences of the model's whole context, but at most a quarter of the memory free at start), and keeps full
-blocks keyed by their prefix for later prompts that start the same way. The pool is not touched when it is
-made, and released blocks are taken before never-used ones: resident memory follows the blocks in use. The runner (runner.py) makes one
-forward of every scheduled token (CausalLM.forward_paged); recurrent models (Mamba 1 and 2) keep one state per
-running sequence instead of blocks.
+Each step the scheduler (scheduler.py) gives every running sequence one decode token and prompts chunks of at most
+max_prefill_tokens in all, admits waiting requests while fewer than max_running run (a prompt that fits the step
+whole before the next chunk of a longer one; the least work first, prompt + max_tokens less the steps waited, so
+nothing starves; short_slots of the slots only for requests of at most short_tokens tokens to make), and when the
+KV pool is short preempts the sequence ranked last in that order (recomputed later). The block manager
+(kv_cache.py) hands out blocks of block_size token slots from one pool of kv_cache_memory bytes (default: enough
+for max_running sequences of the model's whole context, but at most a quarter of the memory free at start), and
+keeps full blocks keyed by their prefix for later prompts that start the same way. The pool is not touched when it
+is made, and released blocks are taken before never-used ones: resident memory follows the blocks in use. The
+runner (runner.py) makes one forward of every scheduled token (CausalLM.forward_paged); recurrent models (Mamba 1
+and 2) keep one state per running sequence instead of blocks.
 
 A request's numbers never depend on what runs beside it: each token's attention and every matmul row is
 computed alone, in the same order whatever the batch (formats.row_invariant, kernels.paged_attention), so a
