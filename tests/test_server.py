@@ -593,6 +593,25 @@ def test_a_full_queue_is_429_with_retry_after(model):
         stream.close()
 
 
+def test_a_short_request_past_a_full_queue_is_answered(model):
+    """With every slot and the queue taken by long streams, a one-token request still takes the slot kept for
+    short requests and is answered; a long one is refused."""
+    service = start(model, max_running=8, max_waiting=0)  # one slot kept for short requests
+    with running(service) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        streams = [client.completions.create(model=NAME, prompt=f"Hold {i}", max_tokens=CONTEXT - 8, stream=True,
+                                             temperature=0, extra_body={"ignore_eos": True}) for i in range(8)]
+        for stream in streams[:7]:  # seven run, the eighth waits
+            next(iter(stream))
+        assert service.in_flight == 8
+        status, headers, body = raw(url, "POST", "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 64})
+        _assert_error(status, body, 429, "queue")
+        answer = client.completions.create(model=NAME, prompt="x", max_tokens=1, temperature=0)
+        assert answer.usage.completion_tokens == 1
+        for stream in streams:
+            stream.close()
+
+
 def test_api_key(model):
     service = start(model, api_key="sekret")
     with running(service) as url:

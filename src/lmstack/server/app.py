@@ -41,6 +41,7 @@ log = logging.getLogger("lmstack.server")
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 4096
 MAX_WAITING = 64
+SHORT_WAITING_PER_SLOT = 4  # short requests taken past a full queue, per slot the engine keeps for them
 SEND_BUFFER = 1 << 16  # bytes of a stream the server holds for a client that is not reading: socket and uvicorn each
 SEND_TIMEOUT = 5.0  # seconds a stream waits for room in a full send buffer before it cuts the client off
 PROMPT_CHUNK = 256  # prompt tokens per forward when scoring a prompt (echo with logprobs)
@@ -66,6 +67,7 @@ class Service:
         self.tokenizer = None
         self.max_running = 0
         self.in_flight = 0  # requests handed to the engine and not yet finished
+        self.short_in_flight: set = set()  # the handles of those that take the engine's kept slots (short requests)
         self._forward_lock = threading.Lock()
         self.created = p.now()
         self.registry = CollectorRegistry()
@@ -138,7 +140,10 @@ class Service:
                                   f"all, over the model's context of {context} tokens", param=field,
                              code="context_length_exceeded")
         n = request.choices
-        if self.in_flight + n > self.max_running + self.max_waiting:
+        scheduler = self.engine.scheduler
+        short = n == 1 and limit <= scheduler.short_tokens and len(ids) <= scheduler.max_prefill_tokens
+        short_room = len(self.short_in_flight) < scheduler.short_slots * SHORT_WAITING_PER_SLOT
+        if self.in_flight + n > self.max_running + self.max_waiting and not (short and short_room):
             raise p.APIError(429, f"the queue is full: {self.in_flight} requests in flight (lmstack serve "
                                   f"--max-running {self.max_running} --max-waiting {self.max_waiting})",
                              code="queue_full", headers={"Retry-After": "1"})
@@ -156,6 +161,8 @@ class Service:
         except EngineError as e:
             raise p.APIError(503, f"the server is shutting down ({e})") from None
         self.in_flight += n
+        if short:
+            self.short_in_flight.update(handles)
         return handles
 
     async def constraint(self, param: str, **grammar_source):
@@ -188,6 +195,7 @@ class Service:
 
     def finished(self, handle):
         self.in_flight -= 1
+        self.short_in_flight.discard(handle)
         self.prompt_tokens.inc(handle.prompt_tokens)
         self.completion_tokens.inc(handle.completion_tokens)
         if handle.time_to_first_token is not None:
