@@ -192,7 +192,8 @@ class Tokenizer:
         """The tokenizer an open GGUF's metadata describes, whatever the model's architecture, as llama.cpp reads it.
 
         `tokenizer.ggml.model` "gpt2" is a byte-level BPE cut as `tokenizer.ggml.pre` names
-        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback);
+        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback, a "▁"
+        prefixed unless `tokenizer.ggml.add_space_prefix` is false, as for Gemma 1-3);
         "gemma4" is a BPE over "▁"-spelled UTF-8 with `<0xNN>` byte fallback. Control tokens (type 3)
         are special; user-defined ones (type 4) are not. Anything else (bert's WordPiece, t5's Unigram,
         ...) is refused by name.
