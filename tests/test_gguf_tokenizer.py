@@ -135,10 +135,10 @@ def gemma_vocabulary():
     return tokens, types, scores
 
 
-@pytest.fixture
-def gemma_gguf(tmp_path):
+@pytest.fixture(params=["gemma2", "gemma3"])
+def gemma_gguf(tmp_path, request):
     tokens, types, scores = gemma_vocabulary()
-    return write(tmp_path / "m.gguf", "gemma3", tokens, types, tokenizer_model="llama", tokenizer_pre="default",
+    return write(tmp_path / "m.gguf", request.param, tokens, types, tokenizer_model="llama", tokenizer_pre="default",
                  token_scores=scores, bos_token_id=2, eos_token_id=1, unk_token_id=3, pad_token_id=0,
                  add_bos_token=True, add_eos_token=False, add_space_prefix=False, chat_template=GEMMA_TEMPLATE)
 
