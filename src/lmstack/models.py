@@ -42,7 +42,8 @@ def gemma3_270m() -> Path:
     if spec is None:
         raise FileNotFoundError(f"the model 'gemma3-270m' is not installed: {install}")
     sums = Path(spec.origin).parent / "data" / "SHA256SUMS"
-    expected = dict(line.split()[::-1] for line in sums.read_text().splitlines() if line.strip()).get(GEMMA3_270M)
+    lines = [line.split() for line in sums.read_text().splitlines()]
+    expected = next((words[0] for words in lines if words[1:] == [GEMMA3_270M]), None)
     if expected is None:
         raise FileNotFoundError(f"{sums}: no sha256 for {GEMMA3_270M}")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmstack"
