@@ -103,12 +103,87 @@ def test_named_chat_templates_of_a_gguf_are_chosen_as_transformers_chooses(tmp_p
         assert tok.apply_chat_template(conversation, **options) == expected
 
 
-def test_sentencepiece_without_a_prefix_space_is_refused_by_name(tmp_path):
-    tokens, types, scores, _ = sentencepiece_vocabulary()
-    write(tmp_path / "m.gguf", "llama", tokens, types, tokenizer_model="llama", token_scores=scores,
-          add_space_prefix=False)
-    with pytest.raises(UnsupportedModel, match="tokenizer.ggml.add_space_prefix = false"):
-        Tokenizer.from_pretrained(tmp_path / "m.gguf")
+GEMMA_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_USER_DEFINED = ["[multimodal]", *("\n" * n for n in range(1, 5)), *(" " * n for n in range(2, 9)), "\t\t",
+                      "<table>", "</table>", "<b>"]
+GEMMA_TEMPLATE = (  # the shape of Gemma 3's own template
+    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_TAGS = [token for token in GEMMA_USER_DEFINED if not token.isspace()]
+GEMMA_TEXTS = TEXTS + ["a  b   c    d     e\t\tf", "x\n\n\ny\n\n\n\nz", "<start_of_turn>user\nhi<end_of_turn>",
+                       " lead and trail  ", "<bos>", "<table><b>bold</b></table>", "[multimodal] 🦙"]
+
+
+@cache
+def gemma_vocabulary():
+    """A Gemma-1-3-style SentencePiece vocabulary as its GGUFs carry it: no prefix space, control tokens, the
+    runs of newlines and spaces (in real spaces) and HTML tags user-defined, <0xNN> byte tokens scored 0,
+    the others scored by rank, no merges."""
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+    specials = [*GEMMA_CONTROL, *GEMMA_USER_DEFINED, *BYTES]
+    corpus = [text for text in TEXTS if "<|" not in text]  # llama.cpp makes a "<|im_end|>" token control
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=700, limit_alphabet=90, special_tokens=specials))
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    # SentencePiece learns no piece across a user-defined run of spaces
+    learned = [t for t in sorted(vocab, key=vocab.get)[len(specials):] if "▁▁" not in t]
+    tokens = specials + learned
+    types = [3] * len(GEMMA_CONTROL) + [4] * len(GEMMA_USER_DEFINED) + [6] * len(BYTES) + [1] * len(learned)
+    scores = [-1000.0] * (len(GEMMA_CONTROL) + len(GEMMA_USER_DEFINED)) + [0.0] * len(BYTES) + [
+        -float(i) for i in range(len(learned))]
+    return tokens, types, scores
+
+
+@pytest.fixture(params=["gemma2", "gemma3"])
+def gemma_gguf(tmp_path, request):
+    tokens, types, scores = gemma_vocabulary()
+    return write(tmp_path / "m.gguf", request.param, tokens, types, tokenizer_model="llama", tokenizer_pre="default",
+                 token_scores=scores, bos_token_id=2, eos_token_id=1, unk_token_id=3, pad_token_id=0,
+                 add_bos_token=True, add_eos_token=False, add_space_prefix=False, chat_template=GEMMA_TEMPLATE)
+
+
+def test_gemma_sentencepiece_gguf_equals_transformers(gemma_gguf):
+    """Gemma 1-3 (`add_space_prefix` false) against transformers' conversion of the same file: no "▁" before the
+    text or after an added token, runs of spaces and newlines as their user-defined tokens, byte fallback, BOS
+    added, decoding without a stripped space, the chat template from tokenizer.chat_template, <end_of_turn> ends a
+    generation. The tags (user-defined, not whitespace) are ordinary text without allow_special, as for any
+    vocabulary (README: Tokenizer); transformers always matches them, so they are compared with allow_special.
+    A run of spaces longer than the longest such token is cut as llama.cpp cuts it (longest first) where
+    transformers merges the runs as pieces: those texts are compared with llama.cpp only (next test)."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
+    tok = Tokenizer.from_pretrained(gemma_gguf)
+    texts = [text for text in GEMMA_TEXTS if " " * 9 not in text]
+    expected = [reference.encode(text) for text in texts]
+    assert tok.encode_batch(texts, allow_special=True) == expected
+    plain = [text for text in texts if not any(tag in text for tag in GEMMA_CONTROL + GEMMA_TAGS)]
+    assert tok.encode_batch(plain) == [reference.encode(text) for text in plain]
+    assert tok.encode("a  b") == [2, tok.encode("a", add_special_tokens=False)[0], GEMMA_USER_DEFINED.index("  ") + 7,
+                                  tok.encode("b", add_special_tokens=False)[0]]
+    assert tok.encode("<table>") != tok.encode("<table>", allow_special=True)
+    assert {"<0xF0>", "<0x9F>"} <= set(reference.convert_ids_to_tokens(reference.encode("🦙")))  # byte fallback
+    assert [tok.decode(ids) for ids in expected] == [reference.decode(ids) for ids in expected]
+    assert tok.decode(tok.encode(" lead", add_special_tokens=False)) == " lead"
+    conversation = [{"role": "user", "content": "Hi  there"}, {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "And\n\nnow?"}]
+    prompt = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(conversation) == prompt
+    assert tok.encode_chat(conversation) == reference.encode(prompt, add_special_tokens=False)
+    assert tok.eos_ids == (1, GEMMA_CONTROL.index("<end_of_turn>")) and tok.bos_ids == (2,)
+
+
+def test_gemma_sentencepiece_gguf_equals_llama_cpp(gemma_gguf):
+    """The same file through llama.cpp's own tokenizer (llm_tokenizer_spm), where llama-cpp-python is installed:
+    plain text, and with control tokens parsed."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    reference = llama_cpp.Llama(str(gemma_gguf), vocab_only=True, verbose=False)
+    tok = Tokenizer.from_pretrained(gemma_gguf)
+    plain = [text for text in GEMMA_TEXTS if not any(tag in text for tag in GEMMA_TAGS)]
+    assert tok.encode_batch(plain) == [reference.tokenize(text.encode()) for text in plain]
+    assert tok.encode_batch(GEMMA_TEXTS, allow_special=True) == [reference.tokenize(text.encode(), special=True)
+                                                                 for text in GEMMA_TEXTS]
 
 
 # ---- byte-level BPE, by pre-tokenizer name ----------------------------------------------------

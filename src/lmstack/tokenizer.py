@@ -192,7 +192,8 @@ class Tokenizer:
         """The tokenizer an open GGUF's metadata describes, whatever the model's architecture, as llama.cpp reads it.
 
         `tokenizer.ggml.model` "gpt2" is a byte-level BPE cut as `tokenizer.ggml.pre` names
-        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback);
+        (GGUF_PRE_TOKENIZERS); "llama" is a SentencePiece BPE ("▁" for spaces, `<0xNN>` byte fallback, a "▁"
+        prefixed unless `tokenizer.ggml.add_space_prefix` is false, as for Gemma 1-3);
         "gemma4" is a BPE over "▁"-spelled UTF-8 with `<0xNN>` byte fallback. Control tokens (type 3)
         are special; user-defined ones (type 4) are not. Anything else (bert's WordPiece, t5's Unigram,
         ...) is refused by name.
@@ -244,7 +245,7 @@ class Tokenizer:
                self._special.get_added_tokens_decoder().values()):
             self._plain = tokenizers.Tokenizer.from_str(text)
         else:
-            plain = json.loads(self._special.to_str())  # as `tokenizers` understood the file
+            plain = json.loads(self._special.to_str()) if backend else dict(spec)  # a file as `tokenizers` read it
             plain["added_tokens"] = [{**token, "special": token["special"] or not token["content"].isspace()}
                                      for token in plain["added_tokens"]]
             self._plain = tokenizers.Tokenizer.from_str(json.dumps(plain))
@@ -495,7 +496,8 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
 
     Every text, and every stretch of text after an added token, starts with "▁" (so " a" is "▁▁a"), as
     Llama 2's tokenizer.json has it; transformers' GGUF conversion instead puts a Metaspace there that
-    adds none before a leading space, for every architecture but phi3.
+    adds none before a leading space, for every architecture but phi3. With `add_space_prefix` false
+    (Gemma 1-3) nothing is prepended, and decoding strips no leading space.
     """
     vocab = _vocabulary(data)
     if data.merges is not None:
@@ -504,8 +506,7 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
         merges = _merges_from_scores(vocab, dict(zip(data.tokens, data.scores)))
     else:
         raise TokenizerError(f"{data.source}: a SentencePiece vocabulary needs tokenizer.ggml.merges or .scores")
-    if data.add_space_prefix is False:
-        raise UnsupportedModel(f"{data.source}: tokenizer.ggml.add_space_prefix = false is not supported")
+    space_prefix = data.add_space_prefix is not False  # llama.cpp's default for a SentencePiece vocabulary
     specials = _gguf_special_tokens(data)
     added = [(i, text, kind == 3 or text in specials.values()) for i, (text, kind) in
              enumerate(zip(data.tokens, data.types)) if kind in (3, 4) or text in specials.values()]
@@ -513,13 +514,13 @@ def _sentencepiece(cls, data: TokenizerData) -> "Tokenizer":
         "version": "1.0",
         "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": special} for i, text, special in added],
-        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
-                                                           {"type": "Replace", "pattern": {"String": " "},
-                                                            "content": "▁"}]},
+        "normalizer": {"type": "Sequence", "normalizers": [
+            *([{"type": "Prepend", "prepend": "▁"}] if space_prefix else []),
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
         "pre_tokenizer": None,
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            {"type": "Fuse"}, *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if space_prefix else [])]},
         "model": {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": specials.get("unk_token", "<unk>"),
                   "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
     }
