@@ -145,7 +145,7 @@ struct Strides {
 // starts) over blocks k0..k1-1 of K32. Each output is one accumulator, summed over the blocks in order and reduced
 // by sum4, as dot_bf16_tile and dot_bf16 sum it (so a row's results never depend on how many rows share the call):
 // between passes over consecutive blocks it waits in `partial` (row m's four at partial[m * TILE]), and the pass
-// that ends the row (k1 == K32) writes the sums to out[m * TILE + 0..3].
+// that reaches the last block (k1 == K32) writes the sums to out[m * TILE + 0..3].
 template <int MR>
 __attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t K, const uint16_t* rows, Strides at,
                                                      int64_t k0, int64_t k1, int64_t K32, __m512* partial, float* out,
@@ -175,11 +175,11 @@ constexpr int64_t GROUP_ROWS = 16;    // rows of x that share each pass over a t
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 columns a chunk (at least): TILE x 512 weights, 8 KiB
 
 // y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K) and the TILE rows of one tile of w (K32 blocks of
-// 32 columns; rows < TILE only where the tile's rows are whole). The rows of x take the tile GROUP_ROWS at a time,
+// 32 columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The rows of x take the tile GROUP_ROWS at a time,
 // in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to 1024): each chunk is read in one pass per four
 // rows of x and half tile from the L1, which holds the chunk, its rows of x and the partial sums; and while they
 // compute, the next tile (the TILE * K32 * 32 weights after this one) is prefetched, spread evenly over the passes,
-// so that the memory streams the weights during the arithmetic rather than between it (16 rows, one thread: 1.4x
+// so that the memory streams the weights during the arithmetic rather than between it (16 rows, one thread: 1.5x
 // the time of one row on the 135M model's layers, against 2.1x reading the tile once per four rows).
 void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tile, int64_t K32, Strides at,
                     const c10::BFloat16* bias, int64_t n, int64_t rows, c10::BFloat16* y, int64_t N) {
