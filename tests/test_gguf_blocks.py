@@ -144,6 +144,20 @@ def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
     assert ((y.double() - expected).abs() <= bound).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1], **by_name)
+def test_a_row_gets_its_bits_alone_in_any_engine_step(qtype):
+    """Many rows (an engine step) share each pass over the blocks, the next tile prefetched across the passes:
+    each row's result is the bits it gets alone, whatever its batch-mates and however many."""
+    rows, cols = 21, 2 * columns(qtype)
+    packed = kernels.pack_gguf(torch.from_numpy(random_blocks(qtype, rows, cols, seed=3)), qtype.value)
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    alone = torch.cat([kernels.gguf_matvec(x[i:i + 1], packed, qtype.value, rows, None) for i in range(len(x))])
+    for m in (2, 3, 5, 6, 7, 16, 17):
+        assert torch.equal(kernels.gguf_matvec(x[:m], packed, qtype.value, rows, None), alone[:m]), m
+    assert torch.equal(kernels.gguf_matvec(x[9:], packed, qtype.value, rows, None), alone[9:])
+
+
 def plausible_blocks(w: np.ndarray, qtype) -> np.ndarray:
     """Blocks of qtype, which gguf cannot quantize to, in the place of matrix w: random quants and sub-block
     scales, the float16 scales (d, and dmin or m) set so that the weights spread as w's do."""

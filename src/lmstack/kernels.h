@@ -18,4 +18,18 @@ inline void store16(void* out, bool bf16, int64_t at, __m512 v) {
     _mm512_storeu_ps((float*)out + at, v);
 }
 
+// The software prefetch of a stretch of a weight stream, spread evenly between the loads that use other data (the
+// many-row kernels: the next tile, while the rows of x pass over this one): each step() moves `bytes` on and fetches
+// the cache lines up to there, until the stretch is done.
+struct Prefetch {
+  const char *next, *at, *end;
+  int64_t bytes;
+  Prefetch(const void* start, int64_t length, int64_t bytes)
+      : next((const char*)start), at((const char*)start), end((const char*)start + length), bytes(bytes) {}
+  __attribute__((always_inline)) void step() {
+    at += bytes;
+    for (; next < at && next < end; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
 }  // namespace lmstack

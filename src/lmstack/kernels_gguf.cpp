@@ -161,10 +161,12 @@ void quantize_row(const c10::BFloat16* x, int64_t KB, int8_t* q, float* d, int32
 }
 
 // dot products of MR quantized rows of x (row stride K = KB * 32) with the TILE rows of one tile: each block of
-// weights is unpacked once for the MR rows; each row's sums are the same whatever MR is (out[i][r], row i)
+// weights is unpacked once for the MR rows; each row's sums are the same whatever MR is (out[i][r], row i). One
+// pass over the tile prefetches PREFETCH bytes ahead of each record; one of several passes steps `ahead` (the
+// next tile's prefetch) once a record.
 template <int64_t T, int MR>
 void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
-                 float (*out)[TILE]) {
+                 float (*out)[TILE], lmstack::Prefetch* ahead = nullptr) {
   constexpr int64_t R = record_bytes(T), QA = quants_at(T);
   const int64_t K = KB * 32;
   alignas(64) float lanes[16];
@@ -177,7 +179,10 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
   const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                            _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
   for (int64_t b = 0; b < KB; b++, rec += R) {
-    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    if (ahead)
+      ahead->step();
+    else
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     const __m256 d = halves(rec), m = has_offset(T) ? halves(rec + 16) : _mm256_setzero_ps();
     __m512i lo[2], hi[2];
     for (int j = 0; j < 2; j++) {
@@ -221,6 +226,16 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
       }
     }
   }
+}
+
+// dot_q8_tile for `rows` <= MR rows
+template <int64_t T, int MR>
+void dot_q8_rows(int64_t rows, const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
+                 float (*out)[TILE], lmstack::Prefetch* ahead) {
+  if (rows == MR)
+    dot_q8_tile<T, MR>(xq, xd, xs, rec, KB, out, ahead);
+  else if constexpr (MR > 1)
+    dot_q8_rows<T, MR - 1>(rows, xq, xd, xs, rec, KB, out, ahead);
 }
 
 // ---- blocks kept whole: the K-quants ---------------------------------------------------------------
@@ -650,11 +665,15 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       for (int64_t m = 0; m < M; m++)
         quantize_row(xbf + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
     }
+    // many rows (bfloat16): each tile in passes of MAX_ROWS rows, the next tile prefetched across them
+    const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       float sums[MAX_ROWS][TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
         const int64_t n = t * TILE, rows = std::min(TILE, N - n);
+        lmstack::Prefetch next(rec + KB * R, KB * R, (R + passes - 1) / passes);
+        lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
           const int64_t block = std::min(MAX_ROWS, M - m0);
           if (f32) {
@@ -664,11 +683,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
             const int8_t* q = xb.q.data() + m0 * K;
             const float* d = xb.d.data() + m0 * KB;
             const int32_t* s = xb.sum.data() + m0 * KB;
-            if (block == MAX_ROWS)
-              dot_q8_tile<T, MAX_ROWS>(q, d, s, rec, KB, sums);
-            else
-              for (int64_t i = 0; i < block; i++)
-                dot_q8_tile<T, 1>(q + i * K, d + i * KB, s + i * KB, rec, KB, sums + i);
+            dot_q8_rows<T, MAX_ROWS>(block, q, d, s, rec, KB, sums, ahead);
           }
           for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
