@@ -15,7 +15,7 @@ from lmstack.engine import Engine
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
 FAMILIES = ["llama", "llama_tied_gqa", "llama_bias", "mistral_window", "qwen2_sliding", "qwen3", "qwen3_bias_sliding",
-            "phi3"]
+            "phi3", "gemma3_text", "gemma3_text_legacy", "qwen3_moe_norm", "mixtral"]
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_fused_decode_of_gguf_blocks_equals_the_blocks_python(tiny_checkpoint, t
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["llama_bias", "qwen2_sliding", "qwen3"])
+@pytest.mark.parametrize("name", ["llama_bias", "qwen2_sliding", "qwen3", "gemma3_text", "qwen3_moe"])
 def test_fused_paged_steps_equal_the_blocks_python(tiny_checkpoint, unfused, name):
     lm = CausalLM.load(tiny_checkpoint(name)[0], weight_format="bfloat16", numeric_profile="bf16", device="cpu")
 
