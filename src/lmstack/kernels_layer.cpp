@@ -10,6 +10,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -24,12 +25,13 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 }
 
 // A projection as its formats.py module computes a few rows: the kernel (kind), its weights, the bias added
-// inside the kernel (bias) or after it, as a separate addition (bias_after).
+// inside the kernel (bias) or after it, as a separate addition (bias_after); or parts of several kinds ("cat").
 struct Projection {
   std::string kind;
   Tensor weight;
   Optional scales, bias, bias_after;
   int64_t n = 0, qtype = 0;
+  std::vector<Projection> parts;  // kind "cat": each part's output, concatenated
 
   Tensor operator()(const Tensor& x) const {
     static const auto bf16_tiled = find<Tensor(const Tensor&, const Tensor&, int64_t, const Optional&)>(
@@ -41,7 +43,11 @@ struct Projection {
     static const auto gguf =
         find<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Optional&)>("lmstack::gguf_matvec");
     Tensor y;
-    if (kind == "bf16_tiled")
+    if (kind == "cat") {
+      std::vector<Tensor> ys;
+      for (const auto& part : parts) ys.push_back(part(x));
+      y = at::cat(ys, -1);
+    } else if (kind == "bf16_tiled")
       y = bf16_tiled.call(x, weight, n, bias);
     else if (kind == "bf16")
       y = bf16.call(x, weight, bias);
@@ -86,25 +92,34 @@ struct Layer : torch::CustomClassHolder {
                 "fused layer: no activation '", this->act, "'");
   }
 
-  void set_projection(const std::string& name, const std::string& kind, Tensor weight, Optional scales,
-                      int64_t n, int64_t qtype, Optional bias, Optional bias_after) {
-    Projection p{kind, weight, scales, bias, bias_after, n, qtype};
-    if (name == "qkv")
-      qkv = p;
-    else if (name == "o")
-      o = p;
-    else if (name == "gate_up")
-      gate_up = p;
-    else if (name == "router")
-      router = p;
-    else if (name == "expert_gate_up")  // the next expert's
-      expert_gate_up.push_back(p);
-    else if (name == "expert_down")
-      expert_down.push_back(p);
-    else {
-      TORCH_CHECK(name == "down", "fused layer: no projection '", name, "'");
-      down = p;
+  // the projection `name` ("expert_gate_up" and "expert_down": `next`, a new expert's; else the last one's)
+  Projection& slot(const std::string& name, bool next) {
+    if (name == "expert_gate_up" || name == "expert_down") {
+      auto& experts = name == "expert_gate_up" ? expert_gate_up : expert_down;
+      if (next) experts.emplace_back();
+      TORCH_CHECK(!experts.empty(), "fused layer: no expert to add a part to");
+      return experts.back();
     }
+    if (name == "qkv") return qkv;
+    if (name == "o") return o;
+    if (name == "gate_up") return gate_up;
+    if (name == "router") return router;
+    TORCH_CHECK(name == "down", "fused layer: no projection '", name, "'");
+    return down;
+  }
+
+  void set_projection(const std::string& name, const std::string& kind, Optional weight, Optional scales,
+                      int64_t n, int64_t qtype, Optional bias, Optional bias_after) {
+    TORCH_CHECK(weight.has_value() || kind == "cat", "fused layer: projection '", name, "' has no weight");
+    slot(name, true) = Projection{kind, weight.value_or(Tensor()), scales, bias, bias_after, n, qtype};
+  }
+
+  // a part of the projection `name` last set with kind "cat" (GGUFLinear's parts: their outputs concatenated)
+  void add_part(const std::string& name, const std::string& kind, Tensor weight, Optional scales, int64_t n,
+                int64_t qtype, Optional bias, Optional bias_after) {
+    Projection& whole = slot(name, false);
+    TORCH_CHECK(whole.kind == "cat", "fused layer: projection '", name, "' is not of kind 'cat'");
+    whole.parts.push_back(Projection{kind, weight, scales, bias, bias_after, n, qtype});
   }
 
   void set_qk_norms(Tensor q, Tensor k) { q_norm = q, k_norm = k; }
@@ -162,6 +177,14 @@ struct Layer : torch::CustomClassHolder {
     Tensor out = at::zeros_like(x);
     const Tensor ids = chosen.contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();
+    if (x.size(0) == 1) {  // a decode step's one row: index_add_ of row 0 is an add, without its indexing
+      std::vector<std::pair<int64_t, int64_t>> order;  // (expert, its place k in the row's top_k)
+      for (int64_t k = 0; k < top_k; k++) order.emplace_back(id[k], k);
+      std::sort(order.begin(), order.end());
+      for (const auto& [e, k] : order)
+        out.add_((expert_down[e](activated(expert_gate_up[e](x))) * weights.narrow(1, k, 1)).to(x.scalar_type()));
+      return out.view(x_.sizes());
+    }
     for (const int64_t e : std::set<int64_t>(id, id + ids.numel())) {
       const Tensor where = (chosen == e).nonzero();
       const Tensor rows = where.select(1, 0).contiguous(), k = where.select(1, 1).contiguous();
@@ -243,6 +266,7 @@ TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.class_<Layer>("Layer")
       .def(torch::init<Tensor, Tensor, double, int64_t, int64_t, int64_t, int64_t, std::string>())
       .def("set_projection", &Layer::set_projection)
+      .def("add_part", &Layer::add_part)
       .def("set_qk_norms", &Layer::set_qk_norms)
       .def("set_post_norms", &Layer::set_post_norms)
       .def("set_float32_norms", &Layer::set_float32_norms)

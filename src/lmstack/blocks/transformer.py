@@ -362,6 +362,9 @@ class TransformerBlock(nn.Module):
             layer.set_post_norms(w[4], w[5])
         for name, c in calls:
             layer.set_projection(name, c.kind, c.weight, c.scales, c.n, c.qtype, c.bias, c.bias_after)
+            for part in c.parts:
+                layer.add_part(name, part.kind, part.weight, part.scales, part.n, part.qtype, part.bias,
+                               part.bias_after)
         if isinstance(mlp, MixtureOfExperts):
             router = mlp.router.weight  # as MixtureOfExperts._router_logits computes a few rows
             kind = "linear" if router.dtype != dtype else "f32" if dtype == torch.float32 else "bf16"
