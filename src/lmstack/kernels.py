@@ -151,7 +151,8 @@ def decode_attention(q, k_cache, v_cache, length: int, scale: float | None = Non
     return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length, scale or 0.0)
 
 
-def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int, scale: float | None = None) -> torch.Tensor:
+def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int,
+                    scale: float | None = None) -> torch.Tensor:
     """Tokens of many sequences, each attending through its block table: q (T, H, D), pools (blocks, KV, size, D),
     tables (S, max_blocks), seqs and positions (T,) int64; window 0: no window; scores scaled by `scale` (None:
     1/sqrt(D)). Returns (T, H * D)."""
