@@ -22,8 +22,10 @@ The contention rows decode beside one CPU-bound process at nice 0 (a competitor)
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
 share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
 bench/bandwidth.py's plain read on --threads threads, the better of a reading before and one after the rows; an
-untied embedding counts one row, i.e. nothing), beside each engine's peak RSS (VmHWM of its worker after decode and prefill; llama-bench's read while it runs). For
-lmstack's requantized formats (int8, int4) the bytes are the file's, so the share is an effective one.
+untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, the share a token chooses, beside
+what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
+prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
+file's, so the share is an effective one.
 `--cold-start` adds the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's
 `llama-completion`.
 """
@@ -253,6 +255,7 @@ class Memory:
     """One decode row's bandwidth and memory: decode tok/s and peak RSS (MB) per engine, None if not run."""
     name: str
     bytes_per_token: int
+    dense_bytes: int  # what a dense model of the file's total size reads a token (a mixture reads its chosen experts)
     speed: dict
     rss: dict
 
@@ -264,12 +267,14 @@ class Memory:
         def mb(engine):
             return "-" if self.rss.get(engine) is None else f"{self.rss[engine]:.0f}"
         engines = ("lmstack", "llama.cpp", "llama-bench")
-        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", *map(share, engines), *map(mb, engines)]
+        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", f"{self.dense_bytes / 1e6:.0f}", *map(share, engines),
+                *map(mb, engines)]
 
 
 def memory_table(records, bandwidth: float) -> str:
-    lines = ["| decode | MB read a token | lmstack's share of bandwidth | llama.cpp's | llama-bench's | "
-             "lmstack peak RSS MB | llama.cpp's | llama-bench's |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| decode | MB read a token | a dense model of its size | lmstack's share of bandwidth | llama.cpp's | "
+             "llama-bench's | lmstack peak RSS MB | llama.cpp's | llama-bench's |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     return "\n".join(lines + ["| " + " | ".join(r.cells(bandwidth)) + " |" for r in records])
 
 
@@ -325,7 +330,8 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
         decode = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
         rows = [row("decode, tok/s", decode)]
-        memory = Memory(label, ggufs.bytes_per_token(path), {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {})
+        memory = Memory(label, ggufs.bytes_per_token(path), ggufs.bytes_per_token(path, dense=True),
+                        {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {})
         if args.llama_bench:
             rows[0].llama_bench, memory.rss["llama-bench"] = llama_bench(args.llama_bench, path, args.threads,
                                                                          args.new_tokens, args.repeats)
@@ -395,7 +401,8 @@ def cold_start_table(results: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
-                        help=f"source GGUF file or name (default: the built-in smollm2), or {ggufs.RANDOM_1P7B}")
+                        help=f"source GGUF file or name (default: the built-in smollm2), or one of "
+                        f"{', '.join(ggufs.RANDOM)}")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="FILE=lmstack weight format, comma-separated")
     parser.add_argument("--cache", type=Path, default=ggufs.CACHE, help="where the files are made and kept")
     parser.add_argument("--threads", type=int, default=2)

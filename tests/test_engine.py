@@ -370,7 +370,8 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="lmstack's CP
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 300])
 @pytest.mark.parametrize("size, longest", [(4, 20), (16, 700)])
-def test_paged_attention_kernel_matches_the_reference(dtype, window, size, longest):
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_paged_attention_kernel_matches_the_reference(dtype, window, size, longest, scale):
     """700 positions span several chunks of keys, merged; a token alone gets the numbers it gets in the batch."""
     g = torch.Generator().manual_seed(12)
     KV, D, H = 2, 24, 6
@@ -381,12 +382,12 @@ def test_paged_attention_kernel_matches_the_reference(dtype, window, size, longe
     positions = torch.tensor([*range(7), 3, longest // 2 + 1, longest - 1])
     q = torch.randn(10, H, D, generator=g).to(dtype)
     ctx = PagedContext(None, None, None, tables, seqs, positions)
-    kernel = kernels.paged_attention(q, pages.k, pages.v, tables, seqs, positions, window or 0)
-    reference = _paged_attention_reference(q, pages, ctx, window)
+    kernel = kernels.paged_attention(q, pages.k, pages.v, tables, seqs, positions, window or 0, scale)
+    reference = _paged_attention_reference(q, pages, ctx, window, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(kernel.float(), reference.float(), rtol=tolerance, atol=tolerance)
     alone = torch.cat([kernels.paged_attention(q[t:t + 1], pages.k, pages.v, tables, seqs[t:t + 1],
-                                               positions[t:t + 1], window or 0) for t in range(10)])
+                                               positions[t:t + 1], window or 0, scale) for t in range(10)])
     assert torch.equal(kernel, alone)
 
 

@@ -15,7 +15,7 @@ from lmstack.engine import Engine
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
 FAMILIES = ["llama", "llama_tied_gqa", "llama_bias", "mistral_window", "qwen2_sliding", "qwen3", "qwen3_bias_sliding",
-            "phi3"]
+            "phi3", "gemma3_text", "gemma3_text_legacy", "qwen3_moe_norm", "mixtral"]
 
 
 @pytest.fixture
@@ -72,7 +72,24 @@ def test_fused_decode_of_gguf_blocks_equals_the_blocks_python(tiny_checkpoint, t
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["llama_bias", "qwen2_sliding", "qwen3"])
+def test_fused_decode_of_mixed_gguf_types_equals_the_blocks_python(tiny_checkpoint, tmp_path, unfused):
+    """A Q4_K_M file's mix: v and up in other types than q, k and gate (a projection of parts of two
+    types: kernels_layer.cpp's "cat")."""
+    from test_gguf import write_gguf
+
+    reference = tiny_checkpoint("llama_tied_gqa")[1]
+    mixed = {f"model.layers.{i}.{name}.weight": gguf.GGMLQuantizationType.Q8_0
+             for i in range(reference.config.num_hidden_layers) for name in ("self_attn.v_proj", "mlp.up_proj")}
+    write_gguf(tmp_path / "m.gguf", reference, qtype=gguf.GGMLQuantizationType.Q4_0, tensor_types=mixed)
+    lm = CausalLM.load(tmp_path / "m.gguf", weight_format="gguf", numeric_profile="bf16", device="cpu")
+    got = decode_logits(lm)
+    assert fused_layers(lm) == len(lm.blocks) and stacked(lm)
+    unfused()
+    assert torch.equal(got, decode_logits(lm))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama_bias", "qwen2_sliding", "qwen3", "gemma3_text", "qwen3_moe"])
 def test_fused_paged_steps_equal_the_blocks_python(tiny_checkpoint, unfused, name):
     lm = CausalLM.load(tiny_checkpoint(name)[0], weight_format="bfloat16", numeric_profile="bf16", device="cpu")
 

@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 beyond the parity tests (test_parity.py runs the gemma VARIANTS): the plan's refusals by
-name, the fused kernel step refused for Gemma's options, GGUF files written as llama.cpp's converter writes them,
-and `lmstack info`."""
+name, the fused kernel step taking Gemma 3's options and refusing Gemma 2's soft-capping, GGUF files written as
+llama.cpp's converter writes them, and `lmstack info`."""
 
 import subprocess
 import sys
@@ -48,13 +48,15 @@ def test_refusals_name_the_field(changes, words):
         plan_for({**GEMMA3, **changes})
 
 
-def test_fused_step_is_refused_for_gemma_options(tiny_checkpoint):
-    """kernels_layer.cpp's Layer takes none of Gemma's options: the blocks say so and run their Python path."""
-    lm = CausalLM.load(tiny_checkpoint("gemma3_text")[0], device="cpu")
-    for block in lm.blocks:
-        assert {"sandwich_norms", "norm_offset", "attn_scale"} <= set(block.fused_options())
-        assert block.fused_layer(torch.float32) is None
-    assert "local_rope" in lm.blocks[0].fused_options() and "local_rope" not in lm.blocks[1].fused_options()
+def test_fused_step_takes_gemma3s_options_and_refuses_soft_capping(tiny_checkpoint):
+    """kernels_layer.cpp's Layer takes Gemma 3's options (test_fused_layer.py checks its numbers); Gemma 2's
+    soft-capped attention it does not take: those blocks say so and run their Python path."""
+    gemma3 = CausalLM.load(tiny_checkpoint("gemma3_text")[0], device="cpu")
+    assert all(block.fused_options() == [] and block.fused_layer(torch.float32) is not None
+               for block in gemma3.blocks)
+    gemma2 = CausalLM.load(tiny_checkpoint("gemma2")[0], device="cpu")
+    for block in gemma2.blocks:
+        assert block.fused_options() == ["attn_softcap"] and block.fused_layer(torch.float32) is None
 
 
 def gemma_checkpoint(tmp_path, config_cls, **overrides):

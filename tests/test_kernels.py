@@ -167,17 +167,19 @@ def test_rope_into_cache_equals_rotary_and_cache_writes(head_dim, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads, head_dim, length", [(6, 2, 64, 1), (6, 2, 24, 17), (4, 4, 32, 40),
-                                                               (3, 1, 64, 200), (9, 3, 64, 1000), (8, 1, 80, 600)])
-def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length, dtype):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, length, scale", [
+    (6, 2, 64, 1, None), (6, 2, 24, 17, None), (4, 4, 32, 40, None), (3, 1, 64, 200, None), (9, 3, 64, 1000, None),
+    (8, 1, 80, 600, None), (4, 1, 16, 40, 24 ** -0.5)])  # (Gemma's query_pre_attn_scalar: a scale of its own)
+def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length, scale, dtype):
     """Long contexts are split into chunks of keys whose partial softmaxes are merged: 600 and 1000 keys take
     several, and eight q heads sharing one kv head take two passes."""
     B, T = 2, length + 10
     q = randn(B, 1, heads, head_dim, dtype=dtype)
     k_cache, v_cache = randn(B, kv_heads, T, head_dim, dtype=dtype) * 2, randn(B, kv_heads, T, head_dim, dtype=dtype)
     k, v = k_cache[:, :, :length].double(), v_cache[:, :, :length].double()
-    exact = F.scaled_dot_product_attention(q.double().transpose(1, 2), k, v, enable_gqa=heads != kv_heads)
-    out = kernels.decode_attention(q, k_cache, v_cache, length)
+    exact = F.scaled_dot_product_attention(q.double().transpose(1, 2), k, v, enable_gqa=heads != kv_heads,
+                                           scale=None if scale is None else float(torch.tensor(scale)))
+    out = kernels.decode_attention(q, k_cache, v_cache, length, scale)
     assert out.shape == (B, 1, heads * head_dim) and out.dtype == dtype
     assert_rounded_once(out, exact.transpose(1, 2).reshape(B, 1, -1))
 

@@ -13,11 +13,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from lmstack import CausalLM, UnsupportedModel, kernels, plan_for
-from lmstack.blocks.transformer import MixtureOfExperts
+from lmstack.blocks.transformer import MixtureOfExperts, TransformerBlock
 from lmstack.config import ConfigError
 from lmstack.families.moe import NAMES
 from lmstack.formats import GGUFLinear, Int4Linear, Int8Linear, MatvecLinear, row_invariant
 from lmstack.gguf import GGUFFile
+from test_fused_layer import stacked
 from test_gguf import finish, gguf_writer, permute, tiny_vocab
 
 QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=6,
@@ -61,23 +62,21 @@ def test_refusals_name_the_field(changes, error, words):
         plan_for({**QWEN3_MOE, **changes})
 
 
-def test_fused_step_is_refused_for_experts(tiny_checkpoint):
-    """kernels_layer.cpp's Layer has no mixture: a block with experts runs its Python path, a dense one fuses."""
-    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
-    for block, experts in zip(lm.blocks, lm.plan.layer_experts):
-        assert ("experts" in block.fused_options()) == experts
-        if experts:
-            assert block.fused_layer(torch.float32) is None
-
-
-def test_a_decode_step_runs_only_the_chosen_experts_and_a_prefill_each_expert_once(tiny_checkpoint, monkeypatch):
-    lm = CausalLM.load(tiny_checkpoint("qwen3_moe_norm")[0], device="cpu")
+def count_expert_calls(lm, monkeypatch) -> list:
+    """(layer, expert, rows) of each call of an expert's forward, appended as they come."""
     calls = []
     for i, block in enumerate(lm.blocks):
         if isinstance(block.mlp, MixtureOfExperts):
             for e, expert in enumerate(block.mlp.experts):
                 forward = expert.forward
                 monkeypatch.setattr(expert, "forward", lambda x, i=i, e=e, f=forward: calls.append((i, e, len(x))) or f(x))
+    return calls
+
+
+def test_a_decode_step_runs_only_the_chosen_experts_and_a_prefill_each_expert_once(tiny_checkpoint, monkeypatch):
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe_norm")[0], device="cpu")
+    monkeypatch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)  # the experts' Python calls
+    calls = count_expert_calls(lm, monkeypatch)
     top_k = lm.plan.block_options["experts"]["top_k"]
     state = lm.allocate_state(1, 16)
     lm.forward(IDS[:1, :9], state)
@@ -88,6 +87,28 @@ def test_a_decode_step_runs_only_the_chosen_experts_and_a_prefill_each_expert_on
     calls.clear()
     lm.step(IDS[:1, 9], state)
     assert sorted(n for _, _, n in calls) == [1] * top_k  # one row through each of the top_k experts, no other
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
+def test_a_fused_decode_step_reads_only_the_chosen_experts(tiny_checkpoint, monkeypatch):
+    """The fused step (kernels_layer.cpp) gives the blocks' Python logits with every expert the step did not choose
+    (as the Python path's calls say) poisoned with NaN: it read none of them."""
+    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
+    state = lm.allocate_state(1, 16)
+    lm.forward(IDS[:1, :9], state)
+    with monkeypatch.context() as patch:
+        patch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)
+        calls = count_expert_calls(lm, patch)
+        python = lm.step(IDS[:1, 9], state)
+    chosen = {(i, e) for i, e, _ in calls}
+    for i, block in enumerate(lm.blocks):
+        if isinstance(block.mlp, MixtureOfExperts):
+            for e, expert in enumerate(block.mlp.experts):
+                if (i, e) not in chosen:
+                    expert.gate_up.weight.data.fill_(float("nan"))
+                    expert.down.weight.data.fill_(float("nan"))
+    state.length -= 1
+    assert torch.equal(lm.step(IDS[:1, 9], state), python) and stacked(lm)
 
 
 def transformers_state(lm, reference) -> dict:
@@ -355,13 +376,15 @@ def test_prompt_lookup_gives_a_mixtures_plain_tokens(tiny_checkpoint):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the fused block needs the kernels")
-def test_a_mixtures_dense_layers_still_fuse_bit_equal_to_the_python(tiny_checkpoint, monkeypatch):
-    from test_fused_layer import decode_logits, fused_layers, stacked
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_a_gguf_mixtures_fused_decode_is_bit_equal_to_the_python(tiny_checkpoint, tmp_path, monkeypatch, qtype):
+    """Every layer of a mixture, its dense ones and its experts' (test_fused_layer.py checks the other formats),
+    in one fused call per step, bit for bit the blocks' Python; qwen3_moe's layer 2 is dense."""
+    from test_fused_layer import decode_logits, fused_layers
 
-    from lmstack.blocks.transformer import TransformerBlock
-
-    lm = CausalLM.load(tiny_checkpoint("qwen3_moe")[0], device="cpu")
-    got = decode_logits(lm, rows=2)
-    assert fused_layers(lm) == lm.plan.layer_experts.count(False) == 1 and not stacked(lm)
+    write_moe_gguf(tmp_path / "m.gguf", tiny_checkpoint("qwen3_moe")[1], qtype)
+    lm = CausalLM.load(tmp_path / "m.gguf", weight_format="gguf", numeric_profile="bf16", device="cpu")
+    got = [decode_logits(lm, rows) for rows in (1, 2)]  # (one row takes the mixture's own path)
+    assert fused_layers(lm) == len(lm.blocks) and stacked(lm)
     monkeypatch.setattr(TransformerBlock, "fusable", lambda self, x, ctx: False)
-    assert torch.equal(got, decode_logits(lm, rows=2))
+    assert all(torch.equal(g, decode_logits(lm, rows)) for g, rows in zip(got, (1, 2)))

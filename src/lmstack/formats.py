@@ -91,13 +91,14 @@ class KernelCall:
     """The one kernel a projection module calls for a few rows (kernels_layer.cpp's Projection): its kind, its
     tensors, the bias summed inside the kernel (`bias`) or added after it (`bias_after`)."""
 
-    kind: str  # bf16_tiled, bf16, f32, int8, gguf, int4
-    weight: torch.Tensor
+    kind: str  # bf16_tiled, bf16, f32, int8, gguf, int4; or cat: the parts' outputs concatenated
+    weight: torch.Tensor | None
     scales: torch.Tensor | None = None
     n: int = 0
     qtype: int = 0
     bias: torch.Tensor | None = None
     bias_after: torch.Tensor | None = None
+    parts: tuple = ()  # cat's KernelCalls
 
 
 def resolve(weight_format: str, numeric_profile: str | None) -> torch.dtype:
@@ -396,8 +397,13 @@ class GGUFLinear(nn.Module):
         return part(x)
 
     def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
-        call = self.parts[0].kernel_call(dtype) if len(self.parts) == 1 else None
-        return None if call is None else replace(call, bias_after=self.bias)
+        """One part's kernel, or "cat" of the parts' (q and k in Q4_K, v in Q6_K: a Q4_K_M file's mix)."""
+        calls = [p.kernel_call(dtype) for p in self.parts]  # (None for a float32 part _part widens x for)
+        if any(c is None for c in calls):
+            return None
+        if len(calls) == 1:
+            return replace(calls[0], bias_after=self.bias)
+        return KernelCall("cat", None, bias_after=self.bias, parts=tuple(calls))
 
     def forward(self, x):
         ys = [self._part(part, x) for part in self.parts]

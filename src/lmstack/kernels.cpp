@@ -815,11 +815,12 @@ void attend_chunk(const E* q, const float* qs, float scale, int64_t D, const E* 
 
 // Attention for P (query, kv head) pairs of `group` q heads each: pair p's q heads are rows p * group.. of q
 // (D wide), its output rows the same of y; it attends over keys span(p) = [lo, hi), whose k and v rows
-// rows(p, s, n, k, v) points to (keys s..s+n-1, all in one chunk).
+// rows(p, s, n, k, v) points to (keys s..s+n-1, all in one chunk). Scores are scaled by `scale_` (0: 1/sqrt(D)).
 template <typename E, typename Span, typename Rows>
-void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& span, const Rows& rows) {
+void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& span, const Rows& rows,
+            double scale_) {
   const int64_t stride = D + 2, WAVE = 1 << 20;  // floats of partials held at once
-  const float scale = 1.0f / std::sqrt(float(D));
+  const float scale = scale_ == 0.0 ? 1.0f / std::sqrt(float(D)) : float(scale_);
   for (int64_t p0 = 0; p0 < P;) {  // pairs in waves, so that their partials stay a few MB
     std::vector<int64_t> start{0};  // pair p0 + i's chunks are start[i]..start[i + 1]-1
     int64_t keys = 0, p1 = p0;
@@ -886,8 +887,9 @@ void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& s
 }
 
 // One query per row, no mask: each q head (B, 1, H, D) attends over slots 0..length-1 of its kv head
-// (grouped-query order) with a float32 softmax. Returns (B, 1, H * D).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length) {
+// (grouped-query order) with a float32 softmax, scores scaled by `scale` (0: 1/sqrt(D)). Returns (B, 1, H * D).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length,
+                            double scale) {
   check_cpu(q, q.scalar_type(), "decode_attention: q", 4);
   check_cpu(k_cache, q.scalar_type(), "decode_attention: k_cache", 4);
   check_cpu(v_cache, q.scalar_type(), "decode_attention: v_cache", 4);
@@ -903,18 +905,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     const auto rows = [&](int64_t p, int64_t s, int64_t n, const E** k, const E** v) {
       for (int64_t i = 0; i < n; i++) k[i] = kc + (p * T + s + i) * D, v[i] = vc + (p * T + s + i) * D;
     };
-    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), B * KV, H / KV, D, span, rows);
+    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), B * KV, H / KV, D, span, rows, scale);
   });
   return y;
 }
 
 // Tokens of many sequences, each reading its own keys through a block table: token t, of sequence seqs[t] at
 // position positions[t] = p, attends with each q head to its kv head's keys at positions max(0, p - window + 1)..p
-// (window 0: from 0). Pools (n_blocks, KV, block_size, D); tables (S, max_blocks) int64; q (T, H, D) -> (T, H * D).
+// (window 0: from 0), scores scaled by `scale` (0: 1/sqrt(D)). Pools (n_blocks, KV, block_size, D); tables
+// (S, max_blocks) int64; q (T, H, D) -> (T, H * D).
 // A token's numbers depend on its position, window and keys only: the same whatever else is in the batch.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& tables, const at::Tensor& seqs, const at::Tensor& positions,
-                           int64_t window) {
+                           int64_t window, double scale) {
   check_cpu(q, q.scalar_type(), "paged_attention: q", 3);
   check_cpu(k_pool, q.scalar_type(), "paged_attention: k_pool", 4);
   check_cpu(v_pool, q.scalar_type(), "paged_attention: v_pool", 4);
@@ -947,7 +950,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         if (++offset == size) block++, offset = 0;
       }
     };
-    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), T * KV, H / KV, D, span, rows);
+    attend(static_cast<const E*>(q.data_ptr()), static_cast<E*>(y.data_ptr()), T * KV, H / KV, D, span, rows, scale);
   });
   return y;
 }
@@ -1005,10 +1008,11 @@ TORCH_LIBRARY(lmstack, m) {
       "rope_into_pages(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots) -> "
       "Tensor",
       rope_into_pages);
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length) -> Tensor", decode_attention);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int length, float scale=0.0) -> Tensor",
+        decode_attention);
   m.def("silu_mul(Tensor x) -> Tensor", silu_mul);
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor seqs, Tensor positions, "
-      "int window) -> Tensor",
+      "int window, float scale=0.0) -> Tensor",
       paged_attention);
 }

@@ -145,15 +145,19 @@ def rope_into_pages(qkv, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
     return torch.ops.lmstack.rope_into_pages(qkv, cos, sin, k_pool, v_pool, slots)
 
 
-def decode_attention(q, k_cache, v_cache, length: int) -> torch.Tensor:
-    """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D)."""
-    return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length)
+def decode_attention(q, k_cache, v_cache, length: int, scale: float | None = None) -> torch.Tensor:
+    """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D); scores scaled by
+    `scale` (None: 1/sqrt(D))."""
+    return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length, scale or 0.0)
 
 
-def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int) -> torch.Tensor:
+def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int,
+                    scale: float | None = None) -> torch.Tensor:
     """Tokens of many sequences, each attending through its block table: q (T, H, D), pools (blocks, KV, size, D),
-    tables (S, max_blocks), seqs and positions (T,) int64; window 0: no window. Returns (T, H * D)."""
-    return torch.ops.lmstack.paged_attention(q.contiguous(), k_pool, v_pool, tables, seqs, positions, window)
+    tables (S, max_blocks), seqs and positions (T,) int64; window 0: no window; scores scaled by `scale` (None:
+    1/sqrt(D)). Returns (T, H * D)."""
+    return torch.ops.lmstack.paged_attention(q.contiguous(), k_pool, v_pool, tables, seqs, positions, window,
+                                             scale or 0.0)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

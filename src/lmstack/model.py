@@ -605,7 +605,8 @@ class CausalLM:
         local = self.local_rotary(positions[None], self.dtype, seqs[None]) if self.local_rotary else None
         ctx = PagedContext(cos, sin, slots, tables, seqs, positions, local)
         if (stack := self._fused_stack(x, ctx)) is not None:
-            x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions)
+            x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions,
+                            *(local or (None, None)))
         else:
             for block, layer_pages in zip(self.blocks, pages):
                 x = block(x, layer_pages, ctx)
@@ -790,7 +791,8 @@ class CausalLM:
         x = self._embed(ids.to(self.device))
         ctx = self._context(ids.shape, state, alone)
         if state is not None and (stack := self._fused_stack(x, ctx)) is not None:
-            x = stack.decode(x, ctx.cos, ctx.sin, [c.k for c in state.layers], [c.v for c in state.layers], ctx.start)
+            x = stack.decode(x, ctx.cos, ctx.sin, [c.k for c in state.layers], [c.v for c in state.layers], ctx.start,
+                             *(ctx.local or (None, None)))
         else:
             for i, block in enumerate(self.blocks):
                 if x.device != self.layer_devices[i]:  # ParallelCausalLM: the activations hop to the next device

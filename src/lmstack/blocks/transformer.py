@@ -82,8 +82,8 @@ def paged_attention(q, cache: PagedKV, ctx: PagedContext, window: int | None, sc
     """q (T, H, D) -> (T, H * D): token t attends to positions max(0, p - window + 1)..p of its sequence, p its
     position. Each (token, head) is computed alone, in the same order whatever the other tokens are. Scores are
     scaled by `scale` (None: 1/sqrt(D)) and soft-capped by `softcap`, which only the reference path takes."""
-    if kernels.usable(q) and scale is None and softcap is None:
-        return kernels.paged_attention(q, cache.k, cache.v, ctx.tables, ctx.seqs, ctx.positions, window or 0)
+    if kernels.usable(q) and softcap is None:
+        return kernels.paged_attention(q, cache.k, cache.v, ctx.tables, ctx.seqs, ctx.positions, window or 0, scale)
     return _paged_attention_reference(q, cache, ctx, window, scale, softcap)
 
 
@@ -192,8 +192,8 @@ class Attention(nn.Module):
     def _one_query(self, q: torch.Tensor, cache: KVCache, end: int, mask) -> torch.Tensor:
         """A one-token step's attention with the kernels: q (B, 1, H, D), its k and v already at slot end - 1,
         over slots 0..end-1 -> (B, 1, H * D)."""
-        if mask is None and self.scale is None and self.softcap is None:
-            return kernels.decode_attention(q, cache.k, cache.v, end)
+        if mask is None and self.softcap is None:
+            return kernels.decode_attention(q, cache.k, cache.v, end, self.scale)
         y = self._attend(q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end], mask, causal=False)
         return y.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
@@ -241,7 +241,7 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, d_model: int, options: dict, act: str):
         super().__init__()
         self.top_k, self.norm_topk_prob = options["top_k"], options["norm_topk_prob"]
-        self.float32_weights = options["float32_weights"]
+        self.float32_weights, self.act_name = options["float32_weights"], act
         self.router = nn.Linear(d_model, options["n_experts"], bias=False)
         self.experts = nn.ModuleList(MLP(d_model, options["d_ff"], act, False) for _ in range(options["n_experts"]))
 
@@ -301,10 +301,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, ctx: AttentionContext) -> torch.Tensor:
         if cache is not None and self.fusable(x, ctx) and (layer := self.fused_layer(x.dtype)) is not None:
+            cos, sin = self.attn.rotary(ctx)
             if isinstance(ctx, PagedContext):
-                return layer.paged(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.slots, ctx.tables, ctx.seqs,
-                                   ctx.positions)
-            return layer.decode(x, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start)
+                return layer.paged(x, cos, sin, cache.k, cache.v, ctx.slots, ctx.tables, ctx.seqs, ctx.positions)
+            return layer.decode(x, cos, sin, cache.k, cache.v, ctx.start)
         y = self.attn(self.attn_norm(x), cache, ctx)
         h = x + (y if self.post_attn_norm is None else self.post_attn_norm(y))
         y = self.mlp(self.mlp_norm(h))
@@ -314,9 +314,7 @@ class TransformerBlock(nn.Module):
         """The options this block uses that kernels_layer.cpp's Layer does not take: where any is, the block runs
         its Python path (never a fused call that would compute something else)."""
         a = self.attn
-        used = {"sandwich_norms": self.post_attn_norm is not None, "norm_offset": self.attn_norm.offset is not None,
-                "attn_scale": a.scale is not None, "attn_softcap": a.softcap is not None, "local_rope": a.local_rope,
-                "rotary_dim": a.rotary_dim is not None, "experts": isinstance(self.mlp, MixtureOfExperts)}
+        used = {"attn_softcap": a.softcap is not None, "rotary_dim": a.rotary_dim is not None}
         return [name for name, on in used.items() if on]
 
     def fusable(self, x: torch.Tensor, ctx) -> bool:
@@ -337,21 +335,41 @@ class TransformerBlock(nn.Module):
         return fused[1]
 
     def _build_fused(self, dtype: torch.dtype) -> torch.ScriptObject | None:
-        a = self.attn
+        a, mlp = self.attn, self.mlp
         if self.fused_options():
             return None
-        norms = [self.attn_norm, self.mlp_norm] + ([a.q_norm, a.k_norm] if a.q_norm is not None else [])
-        calls = {name: getattr(module, "kernel_call", lambda _: None)(dtype)
-                 for name, module in (("qkv", a.qkv), ("o", a.o), ("gate_up", self.mlp.gate_up),
-                                      ("down", self.mlp.down))}
-        if any(n.weight.dtype != dtype for n in norms) or None in calls.values():
+        norms = [self.attn_norm, self.mlp_norm, a.q_norm, a.k_norm, self.post_attn_norm, self.post_mlp_norm]
+        projections = [("qkv", a.qkv), ("o", a.o)]
+        if isinstance(mlp, MixtureOfExperts):
+            projections += [(name, getattr(expert, p)) for expert in mlp.experts
+                            for name, p in (("expert_gate_up", "gate_up"), ("expert_down", "down"))]
+        else:
+            projections += [("gate_up", mlp.gate_up), ("down", mlp.down)]
+        calls = [(name, getattr(module, "kernel_call", lambda _: None)(dtype)) for name, module in projections]
+        offset = self.attn_norm.offset
+        if (offset is None and any(n.weight.dtype != dtype for n in norms if n is not None)) or \
+                any(c is None for _, c in calls):
             return None
-        layer = torch.classes.lmstack.Layer(self.attn_norm.weight, self.mlp_norm.weight, self.attn_norm.eps,
-                                            a.n_heads, a.n_kv_heads, a.head_dim, a.window or 0, self.mlp.act_name)
+        # with an offset every norm scales by (offset + weight) in float32, as RMSNorm.forward
+        w = [None if n is None else n.weight if offset is None else offset + n.weight.float() for n in norms]
+        layer = torch.classes.lmstack.Layer(w[0], w[1], self.attn_norm.eps, a.n_heads, a.n_kv_heads, a.head_dim,
+                                            a.window or 0, self.mlp.act_name)
+        layer.set_float32_norms(offset is not None)
+        layer.set_attention(a.scale or 0.0, a.local_rope)
         if a.q_norm is not None:
-            layer.set_qk_norms(a.q_norm.weight, a.k_norm.weight)
-        for name, c in calls.items():
+            layer.set_qk_norms(w[2], w[3])
+        if self.post_attn_norm is not None:
+            layer.set_post_norms(w[4], w[5])
+        for name, c in calls:
             layer.set_projection(name, c.kind, c.weight, c.scales, c.n, c.qtype, c.bias, c.bias_after)
+            for part in c.parts:
+                layer.add_part(name, part.kind, part.weight, part.scales, part.n, part.qtype, part.bias,
+                               part.bias_after)
+        if isinstance(mlp, MixtureOfExperts):
+            router = mlp.router.weight  # as MixtureOfExperts._router_logits computes a few rows
+            kind = "linear" if router.dtype != dtype else "f32" if dtype == torch.float32 else "bf16"
+            layer.set_projection("router", kind, router, None, router.shape[0], 0, None, None)
+            layer.set_experts(mlp.top_k, mlp.norm_topk_prob, mlp.float32_weights)
         return layer
 
     def new_cache(self, batch: int, max_tokens: int, dtype, device) -> KVCache:
