@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -667,6 +668,21 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
   for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
 }
 
+// f(t0, t1) over the tiles [0, tiles), handed to the threads CHUNKS_PER_THREAD at a time rather than split in
+// equal halves up front: a thread that memory or another process slows takes fewer, and the others do not wait at
+// the end for it (grain: the fewest tiles worth a thread, as at::parallel_for's)
+constexpr int64_t CHUNKS_PER_THREAD = 8;
+template <class F>
+void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
+  if (threads <= 1) return f(0, tiles);
+  const int64_t chunk = std::max(grain, tiles / (CHUNKS_PER_THREAD * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(chunk)) < tiles;) f(t0, std::min(tiles, t0 + chunk));
+  });
+}
+
 // ---- the table of types ------------------------------------------------------------------------
 
 struct TypeInfo {  // ggml's id, its name, weights per block, bytes of one (tile, block) record
@@ -790,7 +806,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       for (int64_t m = 0; m < M; m++)
         quantize_x<T>(xbf + m * K, K, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
     }
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
       std::vector<float> acc(M * TILE * 16);
       for (int64_t t = t0; t < t1; t++) {
