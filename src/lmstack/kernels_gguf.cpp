@@ -289,7 +289,8 @@ inline __m512i scales_mins_6bit(__m512i v) {
       v, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)));
   const __m512i mask =
       _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
-  return _mm512_or_si512(_mm512_and_si512(low, mask), _mm512_and_si512(_mm512_srli_epi16(top, 2), _mm512_set1_epi8(0x30)));
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(top, 2), _mm512_set1_epi8(0x30));
+  return _mm512_or_si512(_mm512_and_si512(low, mask), high);
 }
 // one block's, as sixteen 16-bit lanes
 inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block holds more after its scales
