@@ -158,6 +158,25 @@ def test_a_row_gets_its_bits_alone_in_any_engine_step(qtype):
     assert torch.equal(kernels.gguf_matvec(x[9:], packed, qtype.value, rows, None), alone[9:])
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", K_QUANTS, **by_name)
+def test_bfloat16_products_do_not_depend_on_the_thread_count(qtype):
+    """Tiles handed to two threads a chunk at a time (the last one short) give each row the numbers one thread
+    gives it, for one row of x (decode) and for several."""
+    rows, cols = 40 * kernels.TILE - 3, 256
+    packed = kernels.pack_gguf(torch.from_numpy(random_blocks(qtype, rows, cols, seed=3)), qtype.value)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [kernels.gguf_matvec(x[:m], packed, qtype.value, rows, None) for m in (1, 3)]
+        torch.set_num_threads(2)
+        shared = [kernels.gguf_matvec(x[:m], packed, qtype.value, rows, None) for m in (1, 3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+
+
 def plausible_blocks(w: np.ndarray, qtype) -> np.ndarray:
     """Blocks of qtype, which gguf cannot quantize to, in the place of matrix w: random quants and sub-block
     scales, the float16 scales (d, and dmin or m) set so that the weights spread as w's do."""

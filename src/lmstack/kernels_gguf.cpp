@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -279,19 +280,45 @@ inline void nibbles_by_32(const uint8_t* p, __m512i* q) {
   }
 }
 
-// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, as sixteen 16-bit lanes: the
-// scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high)
-// nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
+// The same nibbles as two loads split them, for the integer dot products: the low nibbles of load h hold 32-weight
+// groups 4h (bytes 0..31) and 4h + 2 (bytes 32..63), its high nibbles 4h + 1 and 4h + 3; x is quantized in that
+// order of groups (group_at), which saves putting the weights back in theirs
+constexpr int PAIRED_GROUPS[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+inline void nibbles_paired(const uint8_t* p, __m512i* q) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int h = 0; h < 2; h++) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * h);
+    q[2 * h] = _mm512_and_si512(v, low), q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+}
+
+// Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, in each 128-bit lane of v, as
+// bytes: the scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low
+// (mins: high) nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
+inline __m512i scales_mins_6bit(__m512i v) {
+  // byte j of sixteen: the byte holding its low bits (the high nibble for the mins of j >= 4), then its top two
+  __m512i low = _mm512_shuffle_epi8(
+      v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)));
+  low = _mm512_mask_blend_epi8(0xF000F000F000F000, low, _mm512_srli_epi16(low, 4));
+  const __m512i top = _mm512_shuffle_epi8(
+      v, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)));
+  const __m512i mask =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(top, 2), _mm512_set1_epi8(0x30));
+  return _mm512_or_si512(_mm512_and_si512(low, mask), high);
+}
+// one block's, as sixteen 16-bit lanes
 inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block holds more after its scales
-  const __m128i v = _mm_loadu_si128((const __m128i*)s);
-  // lane j of sixteen: the byte holding its low bits (the high nibble for the mins of j >= 4), then its top two
-  __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  low = _mm_mask_blend_epi8(0xF000, low, _mm_srli_epi16(low, 4));
-  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i mask = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-  const __m128i bits = _mm_or_si128(_mm_and_si128(low, mask),
-                                    _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
-  return _mm256_cvtepu8_epi16(bits);
+  const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
+  return _mm256_cvtepu8_epi16(_mm512_castsi512_si128(scales_mins_6bit(v)));
+}
+// four blocks' (s, s + stride, ...), block r's in lane r
+inline __m512i scales_mins_6bit(const uint8_t* s, int64_t stride) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + stride)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 2 * stride)), 2);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 3 * stride)), 3);
+  return scales_mins_6bit(v);
 }
 // the eight scales (half 0) or mins (half 1) of them, zeros past: one computation shared by both calls
 template <int HALF>
@@ -300,8 +327,8 @@ inline __m256i scales_6bit(const uint8_t* s) {
 }
 
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
-  static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0;
-  static constexpr bool MINS = true;
+  static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0, D_AT = 80;
+  static constexpr bool MINS = true, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
@@ -312,13 +339,13 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
     const __m128i v = _mm_srli_epi16(_mm_loadu_si128((const __m128i*)b), 4);
     return _mm256_cvtepu8_epi16(_mm_and_si128(v, _mm_set1_epi8(15)));
   }
-  static float d(const uint8_t* b) { return half_at(b + 80); }
-  static float dmin(const uint8_t* b) { return half_at(b + 82); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
+  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
 };
 
 struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales (- 32) per 16 weights, d
-  static constexpr int64_t ID = 11, QK = 256, BYTES = 110, SUB = 16, OFFSET = 4;
-  static constexpr bool MINS = false;
+  static constexpr int64_t ID = 11, QK = 256, BYTES = 110, SUB = 16, OFFSET = 4, D_AT = 108;
+  static constexpr bool MINS = false, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // q = low 2 bits + 4 * high bit: value q - 4
     for (int c = 0; c < 4; c++) {
       const __m512i low = fields(b + 32 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
@@ -333,23 +360,24 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
     return _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(low, high)), _mm256_set1_epi16(32));
   }
   static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
-  static float d(const uint8_t* b) { return half_at(b + 108); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
 
 struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
-  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0;
-  static constexpr bool MINS = true;
+  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
+  static constexpr bool MINS = true, PAIRED = true;
   static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
-  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + 4); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + 4); }
-  static float d(const uint8_t* b) { return half_at(b); }
-  static float dmin(const uint8_t* b) { return half_at(b + 2); }
+  static void unpack_paired(const uint8_t* b, __m512i* q) { nibbles_paired(b + 16, q); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
+  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
 };
 
 struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
-  static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0;
-  static constexpr bool MINS = true;
+  static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
+  static constexpr bool MINS = true, PAIRED = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
     nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32, as 16 added where it is set
     const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
@@ -360,27 +388,40 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
       q[c] = _mm512_mask_add_epi8(q[c], set, q[c], _mm512_set1_epi8(16));
     }
   }
-  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + 4); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + 4); }
-  static float d(const uint8_t* b) { return half_at(b); }
-  static float dmin(const uint8_t* b) { return half_at(b + 2); }
+  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j
+    nibbles_paired(b + 48, q);                                // of its byte of the 32 at b + 16
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
+    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+    for (int c = 0; c < 4; c++) {
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << PAIRED_GROUPS[2 * c])),
+                                             _mm256_set1_epi8(char(1 << PAIRED_GROUPS[2 * c + 1])), 1);
+      q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(high, bit), q[c], _mm512_set1_epi8(16));
+    }
+  }
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
+  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
 };
 
 struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16 weights, d: w = d*sc*(q - 32)
-  static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32;
-  static constexpr bool MINS = false;
+  static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
+  static constexpr bool MINS = false, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
     const __m512i low = _mm512_set1_epi8(15);        // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
+    const __m512i at_4 = _mm512_set1_epi8(0x30);      // brought to bits 4, 5
     for (int h = 0; h < 2; h++) {
       const __m512i v = _mm512_loadu_si512(b + 64 * h);
-      q[2 * h] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi16(fields(b + 128 + 32 * h, 0, 2, 3), 4));
-      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                     _mm512_slli_epi16(fields(b + 128 + 32 * h, 4, 6, 3), 4));
+      const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
+      const __m512i t01 = _mm512_sllv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+      const __m512i t23 = _mm512_srlv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1));
+      q[2 * h] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(t01, at_4));
+      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_and_si512(t23, at_4));
     }
   }
   static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
   static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
-  static float d(const uint8_t* b) { return half_at(b + 208); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t*) { return 0.0f; }
 };
 
@@ -413,16 +454,98 @@ inline void dequant_block(const uint8_t* b, float* out) {
   }
 }
 
+// the 32-weight group of a block that position p (weights 32p..32p+31 of its registers) of the dot products holds
+template <class T>
+constexpr int group_at(int p) { return T::PAIRED ? PAIRED_GROUPS[p] : p; }
+
+// for each register c of DotBlock's quants, the index of the sub-block of each pair of quants (2i, 2i + 1): which of
+// the 16-bit scales multiplies that pair's 16-bit product sum; as bytes, the shuffle that takes it from a lane of
+// scales_mins_6bit's bytes (low byte: the scale, high byte: zero)
+template <class T>
+struct PairSubBlocks {
+  alignas(64) int16_t lanes[4][32];
+  alignas(64) int8_t bytes[4][64];
+  constexpr PairSubBlocks() : lanes(), bytes() {
+    for (int c = 0; c < 4; c++)
+      for (int i = 0; i < 32; i++) {
+        const int at = 64 * c + 2 * i;
+        lanes[c][i] = int16_t((32 * group_at<T>(at / 32) + at % 32) / T::SUB);
+        bytes[c][2 * i] = int8_t(lanes[c][i]), bytes[c][2 * i + 1] = -128;
+      }
+  }
+};
+template <class T>
+constexpr PairSubBlocks<T> PAIR_SUB_BLOCKS{};
+
+// one row's block as the integer dot products take it, prepared once for every row of x it meets
+template <class T>
+struct DotBlock {
+  __m512i q[4];  // 64 quants each, their 32-weight groups in group_at order
+  __m512i pairs[4];  // the 16-bit scale of each pair of quants in q
+  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last (Q4_K, Q5_K: no sc,
+                   // the mins twice)
+  __m512 scale;  // with mins: d in lanes 0..7, -dmin in 8..15; else d in every lane
+  // with PAIR_SUB_BLOCKS' lanes in `index`
+  DotBlock(const uint8_t* b, const __m512i* index) : sc(T::scales(b)), mn(T::mins(b)) {
+    static_assert(!T::PAIRED);
+    T::unpack(b, q);
+    for (int c = 0; c < 4; c++) pairs[c] = _mm512_permutexvar_epi16(index[c], _mm512_castsi256_si512(sc));
+    scale = float_scales(b);
+  }
+  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`
+  DotBlock(const uint8_t* b, __m512i decoded) : sc(_mm256_setzero_si256()) {
+    T::unpack_paired(b, q);
+    for (int c = 0; c < 4; c++) pairs[c] = _mm512_shuffle_epi8(decoded, _mm512_load_si512(PAIR_SUB_BLOCKS<T>.bytes[c]));
+    const __m512i mins = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
+    mn = _mm512_castsi512_si256(_mm512_shuffle_epi8(decoded, mins));
+    scale = float_scales(b);
+  }
+  static __m512 float_scales(const uint8_t* b) {
+    if constexpr (T::MINS) {  // dmin follows d
+      const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(u32_at(b + T::D_AT)))));
+      const __m512 spread = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                                  both);
+      return _mm512_mask_sub_ps(spread, 0xFF00, _mm512_setzero_ps(), spread);
+    } else {
+      return _mm512_set1_ps(T::d(b));
+    }
+  }
+};
+
+// f(r, DotBlock) for the TILE rows' blocks of one record (Q4_K, Q5_K: the scales and mins of four at once)
+template <class T, class F>
+inline void for_each_block(const uint8_t* rec, const F& f) {
+  if constexpr (T::PAIRED) {
+    for (int g = 0; g < TILE; g += 4) {
+      const __m512i decoded = scales_mins_6bit(rec + g * T::BYTES + T::SCALES_AT, T::BYTES);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; r++) {
+        const __m512i lane = _mm512_add_epi64(_mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0), _mm512_set1_epi64(2 * r));
+        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded)));
+      }
+    }
+  } else {
+    __m512i index[4];
+    for (int c = 0; c < 4; c++) index[c] = _mm512_load_si512(PAIR_SUB_BLOCKS<T>.lanes[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < TILE; r++) f(r, DotBlock<T>(rec + r * T::BYTES, index));
+  }
+}
+
 // x's rows quantized for the K-quants' integer dot products as llama.cpp's Q8_K: per 256 values, the value of
 // largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale; |q| <= 127
 struct XQuant {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q;       // per block of 256, its 32-value groups in group_at order
   std::vector<float> d;       // per block of 256
   std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values, then zeros
 };
 
-void quantize_x(const c10::BFloat16* x, int64_t K, int64_t SUB, int8_t* q, float* d, int16_t* sums) {
-  constexpr int64_t QK = 256;
+template <class T>
+void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums) {
+  constexpr int64_t QK = 256, SUB = T::SUB;
+  int64_t position[8];  // of each group
+  for (int p = 0; p < 8; p++) position[group_at<T>(p)] = p;
   alignas(64) float v[256];
   alignas(64) int32_t sums16[16];
   for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += 16) {
@@ -441,7 +564,7 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int64_t SUB, int8_t* q, float
     for (int64_t i = 0; i < QK; i += 16) {
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
-      _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
+      _mm_storeu_si128((__m128i*)(q + 32 * position[i / 32] + i % 32), _mm512_cvtsepi32_epi8(qi));
       sums16[i / 16] = _mm512_reduce_add_epi32(qi);
     }
     for (int64_t j = 0; j < 16; j++) {
@@ -452,41 +575,26 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int64_t SUB, int8_t* q, float
   }
 }
 
-// for each 64-weight chunk c, the index of the sub-block of each pair of weights (2i, 2i + 1): which of the
-// 16-bit scales multiplies that pair's 16-bit product sum
-template <class T>
-void pair_sub_blocks(__m512i* index) {
-  alignas(64) int16_t lanes[32];
-  for (int c = 0; c < 4; c++) {
-    for (int i = 0; i < 32; i++) lanes[i] = int16_t((64 * c + 2 * i) / T::SUB);
-    index[c] = _mm512_load_si512(lanes);
-  }
-}
-
 // acc (16 float32 lanes) += one K-quant row's block times one row of quantized x (xq: the block's 256 values, xd
 // its scale, xs its sums per sub-block), as llama.cpp's vec_dot for the type: the sub-block dot products of the
 // unsigned quants (byte pairs summed to 16 bits, times the 16-bit scales, summed to 32), less OFFSET * sc_j *
-// sum(x_j), exact in int32, times d * d_x; less dmin * d_x * sum_j min_j * sum(x_j)
+// sum(x_j), exact in int32, times d * d_x; less dmin * d_x * sum_j min_j * sum(x_j), the mins' integer sums in the
+// upper eight lanes beside the scales' folded to eight
 template <class T>
-inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const int8_t* xq, float xd,
-                             const int16_t* xs, __m512 acc) {
-  const __m256i sc = u.sc, xsums = _mm256_loadu_si256((const __m256i*)xs);
-  const __m512i scales = _mm512_castsi256_si512(sc);
+inline __m512 dot_superblock(const DotBlock<T>& u, const int8_t* xq, float xd, const int16_t* xs, __m512 acc) {
+  const __m256i xsums = _mm256_loadu_si256((const __m256i*)xs);
   __m512i isum = _mm512_setzero_si512();
-  for (int c = 0; c < 4; c++) {
-    const __m512i pairs = _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c));
-    isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pairs, _mm512_permutexvar_epi16(index[c], scales)));
-  }
+  for (int c = 0; c < 4; c++)
+    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c)), u.pairs[c]);
   if constexpr (T::OFFSET != 0) {
-    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(sc, xsums), _mm256_set1_epi32(T::OFFSET));
+    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(u.sc, xsums), _mm256_set1_epi32(T::OFFSET));
     isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(offset));
   }
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(xd * u.d), acc);
   if constexpr (T::MINS) {
-    const __m256i mins = _mm256_madd_epi16(u.mn, xsums);
-    acc = _mm512_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(mins)), _mm512_set1_ps(-(xd * u.dmin)), acc);
+    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+    isum = _mm512_inserti64x4(_mm512_castsi256_si512(folded), _mm256_madd_epi16(u.mn, xsums), 1);
   }
-  return acc;
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(u.scale, _mm512_set1_ps(xd)), acc);
 }
 
 // rows of x (M, K) times the TILE rows of one tile (its KB records from rec): sums[m * TILE + r]; acc: room for
@@ -494,31 +602,41 @@ inline __m512 dot_superblock(const Unpacked<T>& u, const __m512i* index, const i
 template <class T>
 void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float* sums, float* acc) {
   const int64_t K = x.size(-1), M = x.numel() / K, KB = K / T::QK, R = TILE * T::BYTES;
-  const bool f32 = x.scalar_type() == at::kFloat;
-  const float* xf = f32 ? static_cast<const float*>(x.data_ptr()) : nullptr;
-  alignas(64) float w[T::QK];
-  __m512i index[4];
-  pair_sub_blocks<T>(index);
-  if (!f32 && M == 1) {  // a decode's one row of x: the TILE rows' partial sums stay in registers
+  const int8_t* xquants = xq.q.data();
+  const float* xscales = xq.d.data();
+  const int16_t* xsums = xq.sums.data();
+  if (x.scalar_type() != at::kFloat && M == 1) {  // a decode's one row of x: the partial sums stay in registers
     __m512 part[TILE];
     for (int r = 0; r < TILE; r++) part[r] = _mm512_setzero_ps();
-    const int8_t* q = xq.q.data();
-    const float* d = xq.d.data();
-    const int16_t* s = xq.sums.data();
     for (int64_t b = 0; b < KB; b++, rec += R) {
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-      for (int r = 0; r < TILE; r++)
-        part[r] = dot_superblock<T>(Unpacked<T>(rec + r * T::BYTES), index, q + b * 256, d[b], s + b * 16, part[r]);
+      for_each_block<T>(rec, [&](int r, const DotBlock<T>& u) {
+        part[r] = dot_superblock<T>(u, xquants + b * 256, xscales[b], xsums + b * 16, part[r]);
+      });
     }
     for (int r = 0; r < TILE; r++) sums[r] = _mm512_reduce_add_ps(part[r]);
     return;
   }
   std::fill(acc, acc + M * TILE * 16, 0.0f);
-  for (int64_t b = 0; b < KB; b++, rec += R) {
-    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-    for (int r = 0; r < TILE; r++) {
-      const uint8_t* block = rec + r * T::BYTES;
-      if (f32) {
+  if (x.scalar_type() != at::kFloat) {
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      for_each_block<T>(rec, [&](int r, const DotBlock<T>& u) {
+        for (int64_t m = 0; m < M; m++) {
+          float* a = acc + (m * TILE + r) * 16;
+          const int64_t xb = m * KB + b;
+          _mm512_storeu_ps(a, dot_superblock<T>(u, xquants + xb * 256, xscales[xb], xsums + xb * 16,
+                                                _mm512_loadu_ps(a)));
+        }
+      });
+    }
+  } else {
+    const float* xf = static_cast<const float*>(x.data_ptr());
+    alignas(64) float w[T::QK];
+    for (int64_t b = 0; b < KB; b++, rec += R) {
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      for (int r = 0; r < TILE; r++) {
+        const uint8_t* block = rec + r * T::BYTES;
         // the block's weights (Q4_K, Q5_K: looked up by quant in each 32-weight sub-block's table of the 32 values
         // a 5-bit quant can take, computed as dequant_block computes them), each row of x's products summed in
         // four chains, added to its sums
@@ -560,18 +678,25 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
           _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(_mm512_add_ps(part[0], part[1]),
                                                                               _mm512_add_ps(part[2], part[3]))));
         }
-      } else {
-        const Unpacked<T> u(block);
-        for (int64_t m = 0; m < M; m++) {
-          float* a = acc + (m * TILE + r) * 16;
-          const int64_t xb = m * KB + b;
-          _mm512_storeu_ps(a, dot_superblock<T>(u, index, xq.q.data() + xb * 256, xq.d[xb], xq.sums.data() + xb * 16,
-                                                _mm512_loadu_ps(a)));
-        }
       }
     }
   }
   for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
+}
+
+// f(t0, t1) over the tiles [0, tiles), handed to the threads CHUNKS_PER_THREAD at a time rather than split in
+// equal halves up front: a thread that memory or another process slows takes fewer, and the others do not wait at
+// the end for it (grain: the fewest tiles worth a thread, as at::parallel_for's)
+constexpr int64_t CHUNKS_PER_THREAD = 8;
+template <class F>
+void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
+  if (threads <= 1) return f(0, tiles);
+  const int64_t chunk = std::max(grain, tiles / (CHUNKS_PER_THREAD * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(chunk)) < tiles;) f(t0, std::min(tiles, t0 + chunk));
+  });
 }
 
 // ---- the table of types ------------------------------------------------------------------------
@@ -695,9 +820,9 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     if (!f32) {
       xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
-        quantize_x(xbf + m * K, K, T::SUB, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
+        quantize_x<T>(xbf + m * K, K, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
     }
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
       std::vector<float> acc(M * TILE * 16);
       for (int64_t t = t0; t < t1; t++) {
