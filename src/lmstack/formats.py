@@ -263,7 +263,8 @@ class MatvecLinear(nn.Module):
     """A float32 or bfloat16 matrix: lmstack's kernels for a few rows (decode), F.linear for more (prefill). Under
     float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. Under bfloat16 ones, a
     bfloat16 matrix is stored tiled (kernels.tile_int8), which the kernel reads faster, unless `tile` is False (a
-    tied head, which shares the embedding's memory)."""
+    tied head, which shares the embedding's memory); many rows of bfloat16 then take kernels.gemm_bf16_tiled, which
+    reads the tiles as stored (F.linear would need them untiled, a copy of every weight per call)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
@@ -282,6 +283,8 @@ class MatvecLinear(nn.Module):
             if self.tiled:
                 return kernels.matvec_bf16_tiled(x, self.weight, self.shape[0], self.bias)
             return kernels.matvec_bf16(x, self.weight, self.bias)
+        if self.tiled and x.dtype == torch.bfloat16 and self.shape[1] % 2 == 0:  # a prefill: the tiles as stored
+            return kernels.gemm_bf16_tiled(x, self.weight, self.shape[0], self.bias)
         return F.linear(x, self.dense_weight().to(x.dtype), self.bias)
 
     def dense_weight(self) -> torch.Tensor:

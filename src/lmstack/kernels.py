@@ -32,7 +32,7 @@ STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-fopenmp"]
-SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp")
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -99,6 +99,12 @@ def matvec_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch
     """x @ w.T + bias for w = untile_int8(weight, n, K), all bfloat16: the tiles are read as one stream, faster
     than matvec_bf16 reads rows. Each row's result does not depend on how many rows share the call."""
     return torch.ops.lmstack.matvec_bf16_tiled(x, weight, n, bias)
+
+
+def gemm_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of bfloat16 x (a prefill), w = untile_int8(weight, n, K): one GEMM on the tiles
+    as stored, without the dense copy F.linear would need (kernels_gemm.cpp). K must be even."""
+    return torch.ops.lmstack.gemm_bf16_tiled(x, weight, n, bias)
 
 
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
