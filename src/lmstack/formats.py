@@ -348,10 +348,13 @@ class GGUFBlocks(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a dense matmul on the
-        weights dequantized in x's dtype (exactly in float32, rounded in bfloat16)."""
+        """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a GEMM on the weights
+        dequantized in x's dtype: in bfloat16 (rounded) a panel at a time inside kernels.gguf_gemm, in float32
+        (exact) a chunk of rows at a time for F.linear."""
         if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
+        if self.kernel and x.dtype == torch.bfloat16 and self.k % 2 == 0:  # dequantized inside one GEMM
+            return kernels.gguf_gemm(x, self.weight, self.qtype, self.n, None)
         step = max(kernels.TILE, GGUF_DENSE_BYTES // (self.k * x.element_size()) // kernels.TILE * kernels.TILE)
         if not self.kernel or step >= self.n:
             return F.linear(x, self.dense(dtype=x.dtype))

@@ -270,6 +270,13 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
     return torch.ops.lmstack.gguf_matvec(x, packed, qtype, n, bias)
 
 
+def gguf_gemm(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of bfloat16 x (a prefill), w the n rows of pack_gguf's blocks dequantized to
+    bfloat16 a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives, without a dense
+    copy of them. K must be even."""
+    return torch.ops.lmstack.gguf_gemm(x, packed, qtype, n, bias)
+
+
 def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32):
     """Rows of pack_gguf's blocks (all n, or `rows`) as float32, bit-equal to gguf.quants.dequantize (or those
