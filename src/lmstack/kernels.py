@@ -84,6 +84,14 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def gemm_for_prefill() -> bool:
+    """Whether a bfloat16 prefill takes kernels_gemm.cpp's GEMM on the weights as stored: with AVX512-BF16 alone it
+    matches oneDNN's GEMM and spares the dense copy F.linear needs; with AMX (amx_bf16) oneDNN's GEMM is several
+    times faster than either, copy and all."""
+    return available() and "amx_bf16" not in cpu_flags()
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels for activations (RMSNorm, rotary, attention, silu * up) take x."""
     return x.dtype in ACTIVATION_DTYPES and x.is_cpu and available()
