@@ -85,6 +85,26 @@ def test_float32_products_are_the_dequantized_weights_times_x(qtype):
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
+def test_bfloat16_prefill_multiplies_the_weights_rounded_to_bfloat16(qtype):
+    """Many rows of bfloat16 x (a prefill): the dequantized weights rounded to bfloat16, products summed in float32
+    and rounded once; times the identity each output is one product, the rounded weight itself. Columns in two
+    blocks, rows past a register block and a panel."""
+    values = kernels.GGUF_TYPES[qtype.value].values
+    rows, cols = 37, 5 * 256 if values == 256 else 34 * 32
+    raw = random_blocks(qtype, rows, cols, seed=2)
+    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).bfloat16()
+    packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
+    assert torch.equal(kernels.gguf_gemm(torch.eye(cols, dtype=torch.bfloat16), packed, qtype.value, rows, None).T, w)
+    x = torch.randn(29, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
+    bias = torch.randn(rows).bfloat16()
+    y = kernels.gguf_gemm(x, packed, qtype.value, rows, bias)
+    exact = x.double() @ w.double().T + bias.double()
+    bound = exact.abs() * 2.0 ** -8 + cols * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T + 1)
+    assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
+
+
 def quantized_rows(x: torch.Tensor, values: int):
     """x's rows quantized as llama.cpp quantizes them for the type's dot product, (q, d per block): per 256 values
     (Q8_K) the value of largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)),

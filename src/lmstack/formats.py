@@ -24,7 +24,8 @@ computes each part as its type and concatenates. The arithmetic of the blocks, p
         (per 256 columns as its Q8_K for the K-quants, per 32 columns, q = rint(x * 127 / amax) with the float32
         scale amax / 127, for the others), each block's sub-block integer dot products summed exactly
         (AVX512-VNNI), times the scales, summed in float32. For many rows (a prefill) the weights dequantized and
-        rounded to bfloat16 go to F.linear, a bfloat16 GEMM (oneDNN's, on AMX where the CPU has it).
+        rounded to bfloat16 go to a bfloat16 GEMM: without AMX, lmstack's (kernels.gguf_gemm: a panel dequantized at
+        a time, in cache), with AMX oneDNN's (F.linear, on chunks of rows dequantized).
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -264,7 +265,9 @@ class MatvecLinear(nn.Module):
     """A float32 or bfloat16 matrix: lmstack's kernels for a few rows (decode), F.linear for more (prefill). Under
     float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. Under bfloat16 ones, a
     bfloat16 matrix is stored tiled (kernels.tile_int8), which the kernel reads faster, unless `tile` is False (a
-    tied head, which shares the embedding's memory)."""
+    tied head, which shares the embedding's memory); many rows of bfloat16 then take kernels.gemm_bf16_tiled (where
+    kernels.gemm_for_prefill), which reads the tiles as stored: F.linear needs them untiled, a copy of every weight
+    per call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
@@ -283,6 +286,8 @@ class MatvecLinear(nn.Module):
             if self.tiled:
                 return kernels.matvec_bf16_tiled(x, self.weight, self.shape[0], self.bias)
             return kernels.matvec_bf16(x, self.weight, self.bias)
+        if self.tiled and x.dtype == torch.bfloat16 and self.shape[1] % 2 == 0 and kernels.gemm_for_prefill():
+            return kernels.gemm_bf16_tiled(x, self.weight, self.shape[0], self.bias)
         return F.linear(x, self.dense_weight().to(x.dtype), self.bias)
 
     def dense_weight(self) -> torch.Tensor:
@@ -346,10 +351,14 @@ class GGUFBlocks(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a dense matmul on the
-        weights dequantized in x's dtype (exactly in float32, rounded in bfloat16)."""
+        """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a GEMM on the weights
+        dequantized in x's dtype (exactly in float32, rounded in bfloat16): a panel at a time inside
+        kernels.gguf_gemm for bfloat16 where kernels.gemm_for_prefill, else a chunk of rows at a time for
+        F.linear."""
         if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
+        if self.kernel and x.dtype == torch.bfloat16 and self.k % 2 == 0 and kernels.gemm_for_prefill():
+            return kernels.gguf_gemm(x, self.weight, self.qtype, self.n, None)
         step = max(kernels.TILE, GGUF_DENSE_BYTES // (self.k * x.element_size()) // kernels.TILE * kernels.TILE)
         if not self.kernel or step >= self.n:
             return F.linear(x, self.dense(dtype=x.dtype))

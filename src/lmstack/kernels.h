@@ -1,9 +1,12 @@
-// What lmstack's kernel sources share (kernels.cpp, kernels_gguf.cpp, kernels_int4.cpp).
+// What lmstack's kernel sources share (kernels.cpp, kernels_gguf.cpp, kernels_int4.cpp, kernels_gemm.cpp).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 
 namespace lmstack {
 
@@ -31,5 +34,19 @@ struct Prefetch {
     for (; next < at && next < end; next += 64) _mm_prefetch(next, _MM_HINT_T0);
   }
 };
+
+// A weight matrix as gemm_bf16 reads it: pairs(n0, k0, kc, out) writes rows n0..n0 + GEMM_PANEL - 1 (zeros past the
+// last row), columns k0..k0 + kc - 1, as out[p * GEMM_PANEL + n] = the 32 bits of row n0 + n's bfloat16 columns
+// k0 + 2p and k0 + 2p + 1 (what AVX512-BF16's dot product pairs), for p < kc / 2 rounded up to a multiple of 16
+constexpr int64_t GEMM_PANEL = 32;
+using WeightPairs = std::function<void(int64_t n0, int64_t k0, int64_t kc, uint32_t* out)>;
+
+// y = x @ w.T + bias for many rows of bfloat16 x (a prefill), w (N rows, x.size(-1) columns) read through `pairs`
+// a panel at a time, columns in blocks of a multiple of `granule` (kernels_gemm.cpp)
+at::Tensor gemm_bf16(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                     const WeightPairs& pairs);
+
+// GEMM_PANEL bfloat16 rows (row n at rows + n * stride, kc columns read, rounded up to a multiple of 32) as pairs
+void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out);
 
 }  // namespace lmstack

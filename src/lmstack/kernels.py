@@ -32,7 +32,7 @@ STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-fopenmp"]
-SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp")
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -84,6 +84,14 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def gemm_for_prefill() -> bool:
+    """Whether a bfloat16 prefill takes kernels_gemm.cpp's GEMM on the weights as stored: with AVX512-BF16 alone it
+    matches oneDNN's GEMM and spares the dense copy F.linear needs; with AMX (amx_bf16) oneDNN's GEMM is several
+    times faster than either, copy and all."""
+    return available() and "amx_bf16" not in cpu_flags()
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels for activations (RMSNorm, rotary, attention, silu * up) take x."""
     return x.dtype in ACTIVATION_DTYPES and x.is_cpu and available()
@@ -99,6 +107,12 @@ def matvec_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch
     """x @ w.T + bias for w = untile_int8(weight, n, K), all bfloat16: the tiles are read as one stream, faster
     than matvec_bf16 reads rows. Each row's result does not depend on how many rows share the call."""
     return torch.ops.lmstack.matvec_bf16_tiled(x, weight, n, bias)
+
+
+def gemm_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of bfloat16 x (a prefill), w = untile_int8(weight, n, K): one GEMM on the tiles
+    as stored, without the dense copy F.linear would need (kernels_gemm.cpp). K must be even."""
+    return torch.ops.lmstack.gemm_bf16_tiled(x, weight, n, bias)
 
 
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -266,6 +280,13 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
     bfloat16 x quantized to int8 (per 256 columns as llama.cpp's Q8_K for the K-quants, per 32 for the others)
     with integer dot products (kernels_gguf.cpp)."""
     return torch.ops.lmstack.gguf_matvec(x, packed, qtype, n, bias)
+
+
+def gguf_gemm(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of bfloat16 x (a prefill), w the n rows of pack_gguf's blocks dequantized to
+    bfloat16 a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives, without a dense
+    copy of them. K must be even."""
+    return torch.ops.lmstack.gguf_gemm(x, packed, qtype, n, bias)
 
 
 def gguf_dequantize(packed: torch.Tensor, qtype: int, n: int, k: int, rows: torch.Tensor | None = None,

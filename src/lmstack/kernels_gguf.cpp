@@ -898,10 +898,67 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   return out;
 }
 
+// y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
+// dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
+// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
+                     const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
+  at::Tensor y;
+  auto gemm = [&](const auto& dequantize_row) {  // dequantize_row(n, b0, b1, out): row n's blocks b0..b1-1
+    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+      const int64_t stride = (kc + 31) / 32 * 32;
+      thread_local std::vector<uint16_t> rows;
+      rows.resize(PANEL * stride);
+      for (int64_t i = 0; i < PANEL; i++) {
+        uint16_t* row = rows.data() + i * stride;
+        if (n0 + i < N)
+          dequantize_row(n0 + i, k0 / QK, (k0 + kc) / QK, row);
+        else
+          std::memset(row, 0, kc * 2);
+      }
+      lmstack::pairs_of_rows(rows.data(), stride, kc, out);
+    });
+  };
+  auto regrouped = [&]<int64_t T>() {
+    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) {
+      const int64_t r = n % TILE;
+      const uint8_t* rec = wp + ((n / TILE) * KB + b0) * R;
+      for (int64_t b = b0; b < b1; b++, rec += R) {
+        alignas(32) float d[TILE], m[TILE] = {};
+        _mm256_store_ps(d, halves(rec));
+        if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
+        const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
+        for (int half = 0; half < 2; half++) {
+          const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
+          lmstack::store16(out, true, (b - b0) * 32 + 16 * half,
+                           dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
+        }
+      }
+    });
+  };
+  auto whole = [&]<class T>() {
+    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) {
+      alignas(64) float v[T::QK];
+      const uint8_t* block = wp + ((n / TILE) * KB + b0) * R + (n % TILE) * T::BYTES;
+      for (int64_t b = b0; b < b1; b++, block += R) {
+        dequant_block<T>(block, v);
+        for (int64_t j = 0; j < T::QK; j += 16)
+          lmstack::store16(out, true, (b - b0) * T::QK + j, _mm512_load_ps(v + j));
+      }
+    });
+  };
+  with_gguf_type(type, regrouped, whole);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gguf_matvec(Tensor x, Tensor w, int type, int n, Tensor? bias) -> Tensor", gguf_matvec);
   m.def("gguf_dequantize(Tensor w, int type, int n, int k, Tensor? rows, ScalarType dtype) -> Tensor",
         gguf_dequantize);
+  m.def("gguf_gemm(Tensor x, Tensor w, int type, int n, Tensor? bias) -> Tensor", gguf_gemm);
 }

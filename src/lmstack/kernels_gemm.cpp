@@ -1,0 +1,206 @@
+// Many rows of bfloat16 x times weights as lmstack stores them (a prefill): y = x @ w.T + bias, one GEMM that reads
+// the stored weights once, with no dense copy of the matrix. Handing F.linear a plain matrix costs a copy of every
+// weight first (untiling the bfloat16 tiles, dequantizing GGUF blocks), a third of the GEMM's time at 512 rows.
+//
+// Each thread takes panels of GEMM_PANEL output columns. A panel's weights come a block of columns at a time from
+// the caller (WeightPairs: transposed from the tiles, or dequantized from blocks, into a buffer that stays in cache),
+// interleaved in pairs of columns as AVX512-BF16's dot product takes them, and meet every row of x: MR rows x 32
+// columns of float32 sums in registers, each step one pair of x's columns broadcast against 32 columns' pairs of
+// weights. Sums are float32, carried across column blocks, rounded to bfloat16 once at the end.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using lmstack::GEMM_PANEL;
+using lmstack::TILE;
+constexpr int64_t MR = 12;        // rows of x per register block: 24 accumulators
+constexpr int64_t KC = 1024;      // columns of w per block at most: a panel's pairs (64 KiB) stay in L2
+constexpr int64_t X_AHEAD = 1024;  // x's values (4 bytes each) prefetched ahead of the register block's reads
+constexpr int64_t MC = 43 * MR;   // rows of x per pass over a panel (whole register blocks): their sums stay in L2
+
+struct Free {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+std::unique_ptr<T[], Free> aligned(int64_t n) {
+  return std::unique_ptr<T[], Free>(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)));
+}
+
+// out[p * GEMM_PANEL + i] = the 32 bits of row i's columns 2p, 2p + 1 for 16 rows (row i at at[i]) and 32 columns:
+// a 16 x 16 transpose of 32-bit values
+inline void transpose16(const uint16_t* const* at, uint32_t* out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(at[i]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + j], 128-bit lane L: rows i..i+3 of value 4L + j
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; j++) {  // the 4 x 4 lanes of r[j], r[4 + j], r[8 + j], r[12 + j] transposed
+    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    _mm512_store_si512(out + j * GEMM_PANEL, _mm512_shuffle_i32x4(v0, v2, 0x88));
+    _mm512_store_si512(out + (4 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v1, v3, 0x88));
+    _mm512_store_si512(out + (8 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+    _mm512_store_si512(out + (12 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+  }
+}
+
+// sums[R x 32] (+)= R rows of x, as pairs[p][r] (MR a step), times the panel's P pairs
+template <int R>
+void block(const uint32_t* x, const uint32_t* pairs, int64_t P, float* sums, bool first) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++)
+      acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * GEMM_PANEL + 16 * h);
+  for (int64_t p = 0; p < P; p++, x += MR) {
+    _mm_prefetch((const char*)(x + X_AHEAD), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(pairs + p * GEMM_PANEL);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(pairs + p * GEMM_PANEL + 16);
+    for (int r = 0; r < R; r++) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm512_storeu_ps(sums + r * GEMM_PANEL + 16 * h, acc[r][h]);
+}
+
+template <int R = MR>
+void block_of(int64_t rows, const uint32_t* x, const uint32_t* pairs, int64_t P, float* sums, bool first) {
+  if constexpr (R > 1)
+    if (rows < R) return block_of<R - 1>(rows, x, pairs, P, sums, first);
+  block<R>(x, pairs, P, sums, first);
+}
+
+// x (M x K bfloat16) -> for each MR rows, pairs[p][r] = the 32 bits of row r's columns 2p, 2p + 1 (zeros past M):
+// the rows a register block reads, in the order it reads them (rows K apart would share an L1 set)
+void interleave_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* out) {
+  const int64_t P = K / 2;
+  at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      uint32_t* o = out + b * P * MR;
+      for (int64_t r = 0; r < MR; r++) {
+        const int64_t m = b * MR + r;
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * K);
+        for (int64_t p = 0; p < P; p++) o[p * MR + r] = m < M ? row[p] : 0;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace lmstack {
+
+void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out) {
+  const uint16_t* at[16];
+  for (int64_t k = 0; k < kc; k += 32)
+    for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+      for (int64_t i = 0; i < 16; i++) at[i] = rows + (half + i) * stride + k;
+      transpose16(at, out + k / 2 * GEMM_PANEL + half);
+    }
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x_, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                     const WeightPairs& weight_pairs) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "gemm_bf16: x must be a bfloat16 CPU tensor");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  TORCH_CHECK(K % 2 == 0 && granule % 2 == 0, "gemm_bf16: x's columns (", K, ") must be even");
+  std::vector<float> bias_f(N, 0.f);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
+                "gemm_bf16: bias must be a bfloat16 vector of ", N);
+    const at::Tensor b = bias->contiguous();
+    for (int64_t n = 0; n < N; n++) bias_f[n] = float(b.data_ptr<c10::BFloat16>()[n]);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t blocks = (K + KC - 1) / KC;
+  const int64_t step = std::min(K, ((K + blocks - 1) / blocks + granule - 1) / granule * granule);
+  auto xp = aligned<uint32_t>((M + MR - 1) / MR * MR * (K / 2));
+  interleave_rows(static_cast<const uint16_t*>(x.data_ptr()), M, K, xp.get());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, (N + GEMM_PANEL - 1) / GEMM_PANEL, 1, [&](int64_t p0, int64_t p1) {
+    auto pairs = aligned<uint32_t>(GEMM_PANEL * (step + 31) / 32 * 16);
+    auto sums = aligned<float>(std::min(M, MC) * GEMM_PANEL);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t mc = std::min(MC, M - m0);
+      for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * GEMM_PANEL, width = std::min(GEMM_PANEL, N - n0);
+        for (int64_t k0 = 0; k0 < K; k0 += step) {
+          const int64_t kc = std::min(step, K - k0);
+          weight_pairs(n0, k0, kc, pairs.get());
+          for (int64_t m = 0; m < mc; m += MR)
+            block_of(std::min(MR, mc - m), xp.get() + (m0 + m) * (K / 2) + k0 / 2 * MR, pairs.get(), kc / 2,
+                     sums.get() + m * GEMM_PANEL, k0 == 0);
+        }
+        const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(width, 16)) - 1);
+        const __mmask16 hi = (__mmask16)(width > 16 ? (1u << (width - 16)) - 1 : 0);
+        const __m512 b0 = _mm512_maskz_loadu_ps(lo, bias_f.data() + n0);
+        const __m512 b1 = _mm512_maskz_loadu_ps(hi, bias_f.data() + n0 + 16);
+        for (int64_t m = 0; m < mc; m++) {
+          const float* s = sums.get() + m * GEMM_PANEL;
+          uint16_t* out = yp + (m0 + m) * N + n0;
+          _mm256_mask_storeu_epi16(out, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(s), b0)));
+          _mm256_mask_storeu_epi16(out + 16, hi,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(s + 16), b1)));
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace lmstack
+
+namespace {
+
+// y = x @ w.T + bias for many rows of bfloat16 x, w tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32)
+// bfloat16, zero-padded)
+at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), K32 = (K + 31) / 32, tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+                  w.size(0) == tiles && w.size(1) == K32 && w.size(2) == TILE && w.size(3) == 32,
+              "gemm_bf16_tiled: w must be bfloat16 tiled as (", tiles, ", ", K32, ", ", TILE, ", 32), got ", w.sizes());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  static const uint16_t zeros[32] = {};
+  return lmstack::gemm_bf16(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    const uint16_t* at[16];
+    for (int64_t k = k0; k < k0 + kc; k += 32)
+      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {  // two tiles: 16 rows of 32 columns, 64 bytes apart
+        const int64_t n = n0 + half;
+        for (int64_t i = 0; i < 16; i++)
+          at[i] = n + i < N ? wp + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
+        transpose16(at, out + (k - k0) / 2 * GEMM_PANEL + half);
+      }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmstack, m) {
+  m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_bf16_tiled);
+}
