@@ -67,6 +67,26 @@ def test_dequantized_blocks_are_bit_equal_to_gguf(qtype, use_kernels, monkeypatc
     assert torch.equal(rounded, torch.from_numpy(expected).bfloat16())
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
+def test_packing_by_chunks_of_rows_is_packing_the_whole(qtype, use_kernels, monkeypatch):
+    """A tensor packed a chunk of rows at a time into one buffer, chunks starting and ending inside tiles, is the
+    whole tensor packed by PyTorch's operators (padding rows included), and unpacks to the file's rows."""
+    if use_kernels and not kernels.available():
+        pytest.skip("lmstack's CPU kernels do not run here")
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    rows, cols = 21, columns(qtype)
+    raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=3))
+    expected = kernels._pack_gguf(raw, qtype.value)
+    assert torch.equal(kernels.pack_gguf(raw, qtype.value), expected)
+    into = torch.full_like(expected, 0x55)
+    for start, stop in ((0, 5), (5, 16), (16, 19), (19, 21)):
+        kernels.pack_gguf(raw[start:stop], qtype.value, into, start, rows)
+    assert torch.equal(into, expected)
+    assert torch.equal(kernels.unpack_gguf(into, qtype.value, rows), raw)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 def test_float32_products_are_the_dequantized_weights_times_x(qtype):

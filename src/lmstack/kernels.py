@@ -32,7 +32,7 @@ STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-fopenmp"]
-SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp")
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_pack.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -214,11 +214,32 @@ def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*bits.shape[:-2], TILE // 4, 4, 2, 2).transpose(-3, -2).reshape(*bits.shape[:-2], -1)
 
 
-def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, row: int = 0,
+              n: int | None = None) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / values, record
     bytes): for each TILE rows and column block, the TILE rows' blocks side by side, or, for a regrouped type, the
     TILE scales, [the TILE offsets,] [their fifth bits,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders
-    them); padding rows are zeros."""
+    them); padding rows are zeros. With `out`, the packing of an n-row tensor, raw is its rows row.. and goes into
+    their records there (a large tensor packed a chunk at a time); by kernels_pack.cpp where the kernels run."""
+    kind = GGUF_TYPES[qtype]
+    n = raw.shape[0] if n is None else n
+    if available():
+        if out is None:
+            out = torch.empty((-(-n // TILE), raw.shape[1] // kind.bytes, TILE * kind.bytes), dtype=torch.uint8)
+        torch.ops.lmstack.pack_gguf_into(raw.contiguous(), out, row, n, kind.bytes, kind.regrouped,
+                                         len(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0)
+        return out
+    if out is None:
+        return _pack_gguf(raw, qtype)
+    first, stop = row // TILE, -(-(row + raw.shape[0]) // TILE)  # the records raw's rows are in
+    rows = unpack_gguf(out[first:stop], qtype, (stop - first) * TILE)[:min(n, stop * TILE) - first * TILE].clone()
+    rows[row - first * TILE:row - first * TILE + raw.shape[0]] = raw
+    out[first:stop] = _pack_gguf(rows, qtype)
+    return out
+
+
+def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """pack_gguf of a whole tensor by PyTorch's operators."""
     kind = GGUF_TYPES[qtype]
     n = raw.shape[0]
     blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % TILE))
