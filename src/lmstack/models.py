@@ -1,7 +1,6 @@
 """Model arguments as paths: a checkpoint directory, a .safetensors or GGUF file, or a known name."""
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .checkpoint import Checkpoint
@@ -52,22 +51,15 @@ def native_format(path: Path, device="auto") -> str:
 
 
 def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
-    """(model, Tokenizer) for a model argument; `options` go to model_class.load (CausalLM's or a subclass's).
-
-    The tokenizer is built in a second thread while the weights load: building a 49k-token vocabulary is half a
-    second of Python, and reading and packing weights spends its time outside the interpreter lock. A tokenizer
-    that fails is reported first, as if it had been built first."""
+    """(model, Tokenizer) for a model argument; `options` go to model_class.load (CausalLM's or a subclass's)."""
     path = resolve(model)
-    source = GGUFFile(path) if is_gguf(path) else None
-    with ThreadPoolExecutor(1, thread_name_prefix="lmstack-tokenizer") as pool:
-        tokenizer = pool.submit(lambda: Tokenizer.from_gguf(source) if source else
-                                Tokenizer.from_pretrained(path if path.is_dir() else path.parent))
-        try:
-            lm = model_class.load(source or path, progress=progress, **options)
-        except BaseException:
-            tokenizer.result()
-            raise
-        tokenizer = tokenizer.result()
+    if is_gguf(path):
+        source = GGUFFile(path)
+        tokenizer = Tokenizer.from_gguf(source)
+        lm = model_class.load(source, progress=progress, **options)
+    else:
+        tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
+        lm = model_class.load(path, progress=progress, **options)
     if tokenizer.n_vocab > lm.vocab_size:  # ids the embedding does not have
         raise TokenizerError(f"{tokenizer.source}: token id {tokenizer.n_vocab - 1} is past the model's "
                              f"vocab_size {lm.vocab_size}")
