@@ -26,7 +26,7 @@ untied embedding counts one row, i.e. nothing), beside each engine's peak RSS (V
 lmstack's requantized formats (int8, int4) the bytes are the file's, so the share is an effective one.
 `--cold-start` adds the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's
 `llama-completion`. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
-one (alternating in one worker), beside llama-bench's at the same counts, and the plain read on one thread: the
+one (a second worker, the two alternating), beside llama-bench's at the same counts, and the plain read on one thread: the
 bound of that multiple where decode is bandwidth-bound.
 """
 
@@ -83,15 +83,6 @@ class Lmstack(Engine):
         start = time.perf_counter()
         next(self.lm.stream(self.torch.tensor([prompt]), 1))
         return len(prompt) / (time.perf_counter() - start)
-
-    def decode_on(self, prompt, tokens, threads):
-        """decode on `threads` threads (the worker's own count restored after)."""
-        before = self.torch.get_num_threads()
-        self.torch.set_num_threads(threads)
-        try:
-            return self.decode(prompt, tokens)
-        finally:
-            self.torch.set_num_threads(before)
 
     def fill(self, context):
         """Prefill a long context, kept for decode_after (the head only on the last position, as generation)."""
@@ -329,21 +320,22 @@ def contention_rows(workers, quiet: Row, args, prompt, row) -> list:
     return rows
 
 
-def scaling_row(workers, args, prompt, path) -> Row:
-    """lmstack's decode on --threads threads as a multiple of its decode on one (the two alternating in one
-    worker), beside llama-bench's at the same counts."""
-    worker = workers["lmstack"]
-    rates = {1: [], args.threads: []}
-    for i in range(args.repeats):
-        for threads in (list(rates) if i % 2 == 0 else list(rates)[::-1]):
-            rates[threads].append(worker("decode_on", prompt=prompt, tokens=args.new_tokens, threads=threads))
-    ours = statistics.median(rates[args.threads]) / statistics.median(rates[1])
+def scaling_row(workers, args, prompt, path, weight_format) -> Row:
+    """lmstack's decode on --threads threads as a multiple of its decode on one, each in its own worker (one
+    process switching its OpenMP team between the counts slowed its own decode), the two alternating; beside
+    llama-bench's at the same counts."""
+    one = Worker(__file__, "lmstack", weight_format=weight_format, path=path, threads=1, warmup=prompt[:8])
+    try:
+        rates = alternating({1: one, args.threads: workers["lmstack"]}, "decode", args.repeats, prompt=prompt,
+                            tokens=args.new_tokens)
+    finally:
+        one.close()
     peer = None
     if args.llama_bench:
         bench = llama_bench_threads(args.llama_bench, path, [1, args.threads], args.new_tokens, args.repeats)
         peer = bench[args.threads] / bench[1]
-    return Row(f"decode on {args.threads} threads, x 1 thread's (lmstack {statistics.median(rates[1]):.1f} and "
-               f"{statistics.median(rates[args.threads]):.1f} tok/s)", ours, None, unit="x", llama_bench=peer)
+    return Row(f"decode on {args.threads} threads, x 1 thread's (lmstack {rates[1]:.1f} and "
+               f"{rates[args.threads]:.1f} tok/s)", rates[args.threads] / rates[1], None, unit="x", llama_bench=peer)
 
 
 def measure_row(file_type, path, weight_format, args, prompt, long_prompt, contexts, hf_dir) -> tuple:
@@ -379,7 +371,7 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
         if args.contention == file_type:
             rows += contention_rows(workers, rows[0], args, prompt, row)
         if args.scaling:
-            scaling = scaling_row(workers, args, prompt, path)
+            scaling = scaling_row(workers, args, prompt, path, weight_format)
             scaling.name = f"{label} {scaling.name}"
             rows.append(scaling)
         for context in contexts:
@@ -475,6 +467,8 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         args.llama_cpp = False
+    if args.scaling and args.threads < 2:
+        parser.error("--scaling compares --threads threads with one: give --threads 2 or more")
     if args.quick:  # shorter defaults; what is given stays
         for name, value in dict(new_tokens=16, prefill_tokens=128, contexts="1024").items():
             if getattr(args, name) == parser.get_default(name):
