@@ -27,7 +27,9 @@ what a dense model of the file's size reads), beside each engine's peak RSS (VmH
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
 file's, so the share is an effective one.
 `--cold-start` adds the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's
-`llama-completion`.
+`llama-completion`. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
+one (a second worker, the two alternating), beside llama-bench's at the same counts, and the plain read on one thread: the
+bound of that multiple where decode is bandwidth-bound.
 """
 
 import argparse
@@ -168,6 +170,16 @@ def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int
         return json.loads(out.read())[0]["avg_ts"], peak
 
 
+def llama_bench_threads(binary: str, path: Path, counts: list, tokens: int, repeats: int) -> dict:
+    """{threads: decode tok/s} of llama-bench's tg test on the file at each thread count."""
+    command = [binary, "-m", str(path), "-t", ",".join(map(str, counts)), "-p", "0", "-n", str(tokens), "-r",
+               str(repeats), "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr[-500:]}")
+    return {test["n_threads"]: test["avg_ts"] for test in json.loads(done.stdout)}
+
+
 def high_water_mark(pid="self") -> float | None:
     """MB: a process's peak resident set so far (VmHWM), None once it has exited."""
     try:
@@ -236,7 +248,10 @@ class Row:
 
     def cells(self):
         def fmt(v):
-            return "-" if v is None else f"{v:.0%}" if self.unit == "%" else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+            if v is None:
+                return "-"
+            return f"{v:.0%}" if self.unit == "%" else f"{v:.2f}x" if self.unit == "x" else \
+                f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
         def ratio(v):
             return "-" if not v else f"{self.lmstack / v:.2f}x"
@@ -310,6 +325,24 @@ def contention_rows(workers, quiet: Row, args, prompt, row) -> list:
     return rows
 
 
+def scaling_row(workers, args, prompt, path, weight_format) -> Row:
+    """lmstack's decode on --threads threads as a multiple of its decode on one, each in its own worker (one
+    process switching its OpenMP team between the counts slowed its own decode), the two alternating; beside
+    llama-bench's at the same counts."""
+    one = Worker(__file__, "lmstack", weight_format=weight_format, path=path, threads=1, warmup=prompt[:8])
+    try:
+        rates = alternating({1: one, args.threads: workers["lmstack"]}, "decode", args.repeats, prompt=prompt,
+                            tokens=args.new_tokens)
+    finally:
+        one.close()
+    peer = None
+    if args.llama_bench:
+        bench = llama_bench_threads(args.llama_bench, path, [1, args.threads], args.new_tokens, args.repeats)
+        peer = bench[args.threads] / bench[1]
+    return Row(f"decode on {args.threads} threads, x 1 thread's (lmstack {rates[1]:.1f} and "
+               f"{rates[args.threads]:.1f} tok/s)", rates[args.threads] / rates[1], None, unit="x", llama_bench=peer)
+
+
 def measure_row(file_type, path, weight_format, args, prompt, long_prompt, contexts, hf_dir) -> tuple:
     """(the rows of one file and lmstack format, its Memory record); contexts: random ids of each long context to
     decode after."""
@@ -343,6 +376,10 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
             workers.pop("transformers").close()
         if args.contention == file_type:
             rows += contention_rows(workers, rows[0], args, prompt, row)
+        if args.scaling:
+            scaling = scaling_row(workers, args, prompt, path, weight_format)
+            scaling.name = f"{label} {scaling.name}"
+            rows.append(scaling)
         for context in contexts:
             fill = {name: worker("fill", context=context) for name, worker in workers.items()}
             rows.append(row(f"decode {LONG_DECODE} after {len(context)}, tok/s",
@@ -422,6 +459,8 @@ def main():
     parser.add_argument("--llama-completion", default=shutil.which("llama-completion"),
                         help="llama.cpp's llama-completion binary, for --cold-start")
     parser.add_argument("--cold-start", action="store_true", help="seconds to the first token, per file")
+    parser.add_argument("--scaling", action="store_true",
+                        help="decode on --threads threads as a multiple of 1 thread's, per row, and the plain read's")
     parser.add_argument("--bandwidth", type=float, help="GB/s of a plain read (default: bench/bandwidth.py's)")
     parser.add_argument("--quick", action="store_true",
                         help="16 new tokens, 128-token prefill, one 1024 context, unless given")
@@ -435,6 +474,8 @@ def main():
     except ImportError:
         print("llama.cpp: not measured (pip install llama-cpp-python)", file=sys.stderr)
         args.llama_cpp = False
+    if args.scaling and args.threads < 2:
+        parser.error("--scaling compares --threads threads with one: give --threads 2 or more")
     if args.quick:  # shorter defaults; what is given stays
         for name, value in dict(new_tokens=16, prefill_tokens=128, contexts="1024").items():
             if getattr(args, name) == parser.get_default(name):
@@ -460,6 +501,7 @@ def main():
 
     load_before = os.getloadavg()
     bandwidth_before = args.bandwidth or read_bandwidth(args.threads)
+    bandwidth_one = read_bandwidth(1) if args.scaling else None
     rows, records, cold = [], [], {}
     for file_type, weight_format in rows_spec:
         measured, record = measure_row(file_type, files[file_type], weight_format, args, prompt, long_prompt,
@@ -477,7 +519,8 @@ def main():
     print(f"model: {args.model or 'smollm2'}; files: {files[rows_spec[0][0]].parent}\n{args.threads} threads, batch 1, "
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens; median of {args.repeats}, engines "
           f"alternating, each in its own process\nllama-bench: {args.llama_bench or 'not measured'}\n"
-          f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s\n"
+          f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s"
+          f"{f', 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
     print(table(rows))
     print()

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from test_gguf import write_gguf
 
 from lmstack import CausalLM, UnsupportedModel, kernels, models
+from lmstack import model as model_module
 from lmstack.checkpoint import CheckpointError
 from lmstack.formats import GGUFBlocks
 from lmstack.gguf import GGUFFile
@@ -65,6 +66,26 @@ def test_dequantized_blocks_are_bit_equal_to_gguf(qtype, use_kernels, monkeypatc
     assert np.array_equal(blocks.dense(ids).numpy().view(np.uint32), expected[ids.numpy()].view(np.uint32))
     rounded = blocks.dense(dtype=torch.bfloat16)
     assert torch.equal(rounded, torch.from_numpy(expected).bfloat16())
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
+def test_packing_by_chunks_of_rows_is_packing_the_whole(qtype, use_kernels, monkeypatch):
+    """A tensor packed a chunk of rows at a time into one buffer, chunks starting and ending inside tiles, is the
+    whole tensor packed by PyTorch's operators (padding rows included), and unpacks to the file's rows."""
+    if use_kernels and not kernels.available():
+        pytest.skip("lmstack's CPU kernels do not run here")
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    rows, cols = 21, columns(qtype)
+    raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=3))
+    expected = kernels._pack_gguf(raw, qtype.value)
+    assert torch.equal(kernels.pack_gguf(raw, qtype.value), expected)
+    into = torch.full_like(expected, 0x55)
+    for start, stop in ((0, 5), (5, 16), (16, 19), (19, 21)):
+        kernels.pack_gguf(raw[start:stop], qtype.value, into, start, rows)
+    assert torch.equal(into, expected)
+    assert torch.equal(kernels.unpack_gguf(into, qtype.value, rows), raw)
 
 
 @needs_kernels
@@ -266,6 +287,29 @@ def test_logits_match_a_float32_model_of_the_dequantized_weights(tiny_checkpoint
     state = fast.allocate_state(2, 9)
     steps = torch.cat([fast.step(ids[:, i], state)[:, None] for i in range(9)], 1)
     assert (steps - expected).abs().max() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], **by_name)
+def test_weights_packed_a_row_at_a_time_are_the_weights_packed_whole(tiny_checkpoint, tmp_path, qtype, monkeypatch):
+    """q and k (whose rows llama.cpp permuted within each head) read by slices that cut heads are the slices of the
+    whole tensor, and a model packed a row at a time (chunks ending inside tiles and heads, the parts of a fused
+    projection meeting inside a tile) holds the bytes of one packed by the default chunks."""
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa" if qtype == Q.Q8_0 else "llama_wide", qtype=qtype)
+    with GGUFFile(path) as f:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+            whole = f.stored(name)[1]
+            for start, stop in ((0, 3), (3, 11), (5, whole.shape[0])):
+                assert torch.equal(f.stored(name, slice(start, stop))[1], whole[start:stop]), (name, start, stop)
+    def packed(lm):
+        blocks = {name: m.weight for name, m in lm.blocks.named_modules() if isinstance(m, GGUFBlocks)}
+        return blocks | ({"embed": lm.embed.weight} if isinstance(lm.embed, GGUFBlocks) else {})
+
+    chunked = packed(CausalLM.load(path, weight_format="gguf", device="cpu"))
+    monkeypatch.setattr(model_module, "PACK_CHUNK_BYTES", 1)
+    by_rows = packed(CausalLM.load(path, weight_format="gguf", device="cpu"))
+    assert by_rows.keys() == chunked.keys() and any("qkv" in name or "q_proj" in name for name in chunked)
+    for name, weight in by_rows.items():
+        assert torch.equal(weight, chunked[name]), name
 
 
 def test_gguf_format_refuses_other_checkpoints_by_name(tiny_checkpoint):

@@ -1,6 +1,8 @@
 """lmstack's CPU kernels against the PyTorch operators they stand in for, on awkward shapes."""
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -287,6 +289,27 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
     print(f"{variant} {weight_format}/{profile or 'fp32'}: max |delta logit| / scale with and without the kernels "
           f"= {delta:.3g}")
     assert delta < (0.03 if profile == "bf16" else 1e-5)
+
+
+@needs_kernels
+def test_a_cached_build_is_loaded_as_it_is_only_while_it_was_made_from_these_sources():
+    """A build whose fingerprint matches is loaded without cpp_extension (which re-checks it with ninja); one made
+    from other sources (or flags) goes through cpp_extension, which rebuilds what changed, and gets a new one."""
+    child = ("import sys; from lmstack import kernels; assert kernels.available(); "
+             "print('torch.utils.cpp_extension' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def checked_by_cpp_extension() -> bool:
+        done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip() == "True"
+
+    stamp = kernels.build_directory() / "fingerprint"
+    assert stamp.read_text() == kernels.fingerprint()
+    assert not checked_by_cpp_extension()
+    stamp.write_text("a fingerprint of other sources")
+    assert checked_by_cpp_extension()
+    assert stamp.read_text() == kernels.fingerprint()
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -514,9 +514,12 @@ class GGUFFile(GGUFHeader):
             check_finite(weight, self.path, name)
             return weight.bfloat16() if t.type == GGMLQuantizationType.BF16 else weight
         kind = GGUF_TYPES[t.type.value]
-        if self._permuted(name):  # q and k: small, read whole to be put back in order
-            raw = self._hf_rows(name, torch.from_numpy(self.data(t).reshape(t.dims[1], -1)))[rows or slice(None)]
-            raw = raw.contiguous().numpy()
+        if self._permuted(name):  # q and k: each head's rows permuted among themselves; the heads of `rows` are read
+            per_head = max(1, t.dims[1] // self._heads(name, t.dims[1]))
+            start, stop, _ = (rows or slice(None)).indices(t.dims[1])
+            lo, hi = start // per_head * per_head, max(start, -(-stop // per_head) * per_head)
+            heads = torch.from_numpy(self.data(t, slice(lo, hi)).reshape(hi - lo, t.nbytes // max(1, t.dims[1])))
+            raw = unpermute(heads, (hi - lo) // per_head)[start - lo:stop - lo].contiguous().numpy()
         else:
             raw = self.data(t, rows)
         raw = raw.reshape(-1, t.dims[0] // kind.values, kind.bytes)
@@ -544,12 +547,16 @@ class GGUFFile(GGUFHeader):
         if self._norm_offset(name):
             return weight - self._norm_offset(name)
         if self._permuted(name):
-            heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-            if weight.shape[0] % (2 * heads):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has {weight.shape[0]} rows, not pairs of rows "
-                                      f"for each of {heads} heads")
-            weight = unpermute(weight, heads)
+            weight = unpermute(weight, self._heads(name, weight.shape[0]))
         return weight
+
+    def _heads(self, name: str, rows: int) -> int:
+        """The heads of permuted tensor `name` (q or k), whose `rows` rows must be pairs of rows of each head."""
+        heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+        if rows % (2 * heads):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has {rows} rows, not pairs of rows for each of "
+                                  f"{heads} heads")
+        return heads
 
     def read_into(self, name: str, dest: torch.Tensor):
         """Copy tensor `name` into `dest`, refusing inf and nan (also from a conversion that overflows); straight

@@ -8,11 +8,13 @@ bfloat16 (tiled) and int8 weights; RMSNorm, rotary with the cache write, one-que
 for float32 and bfloat16 activations (bench/decode.py shows the whole-model effect). Results differ from
 PyTorch's operators only in float32 summation order and exp's last bit (tests/test_kernels.py).
 
-It is compiled on first use with torch.utils.cpp_extension (a few seconds, then cached). Without a
-compiler, on other CPUs, or with LMSTACK_KERNELS=0, the callers use PyTorch's operators instead.
+It is compiled on first use with torch.utils.cpp_extension (a few seconds, then cached, and loaded as it is
+while its sources are unchanged). Without a compiler, on other CPUs, or with LMSTACK_KERNELS=0, the callers use
+PyTorch's operators instead.
 """
 
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -32,7 +34,8 @@ STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-fopenmp"]
-SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp")
+SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp",
+           "kernels_pack.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
@@ -62,22 +65,45 @@ def remove_stale_lock(lock: Path):
         lock.unlink(missing_ok=True)
 
 
+def fingerprint() -> str:
+    """What a build is made from: the sources (with kernels.h) and the flags."""
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for name in (*SOURCES, "kernels.h"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()
+
+
+def build_directory() -> Path:
+    """Where the kernels are built and cached: per Python and PyTorch version, under torch's extensions root."""
+    from torch import _appdirs  # as torch.utils.cpp_extension.get_default_build_root finds it
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+    return Path(root) / f"{NAME}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+
+
 @functools.cache
 def available() -> bool:
-    """Whether this CPU can run the kernels and they are built (once per machine, on first call)."""
+    """Whether this CPU can run the kernels and they are built (once per machine, on first call).
+
+    A build whose fingerprint file matches the sources is loaded as it is: torch's cpp_extension.load, which
+    imports setuptools and runs ninja to find nothing to do, took a tenth of a second of every start."""
     if os.environ.get("LMSTACK_KERNELS", "1") == "0":
         return False
     if sys.platform != "linux" or platform.machine() != "x86_64" or not CPU_FLAGS <= cpu_flags():
         return False
     try:
+        build, made_from = build_directory(), fingerprint()
+        library, stamp = build / f"{NAME}.so", build / "fingerprint"
+        if library.exists() and stamp.exists() and stamp.read_text() == made_from:
+            torch.ops.load_library(str(library))
+            return True
         from torch.utils import cpp_extension
 
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-        build = root / f"{NAME}-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)
         remove_stale_lock(build / "lock")
         cpp_extension.load(name=NAME, sources=[str(Path(__file__).with_name(s)) for s in SOURCES], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False)
+        stamp.write_text(made_from)
     except Exception as error:  # no compiler or ninja, or an old PyTorch: PyTorch's operators still work
         warnings.warn(f"lmstack's CPU kernels could not be built, using PyTorch's operators: {error}", stacklevel=2)
         return False
@@ -232,11 +258,32 @@ def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*bits.shape[:-2], TILE // 4, 4, 2, 2).transpose(-3, -2).reshape(*bits.shape[:-2], -1)
 
 
-def pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, row: int = 0,
+              n: int | None = None) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / values, record
     bytes): for each TILE rows and column block, the TILE rows' blocks side by side, or, for a regrouped type, the
     TILE scales, [the TILE offsets,] [their fifth bits,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders
-    them); padding rows are zeros."""
+    them); padding rows are zeros. With `out`, the packing of an n-row tensor, raw is its rows row.. and goes into
+    their records there (a large tensor packed a chunk at a time); by kernels_pack.cpp where the kernels run."""
+    kind = GGUF_TYPES[qtype]
+    n = raw.shape[0] if n is None else n
+    if available():
+        if out is None:
+            out = torch.empty((-(-n // TILE), raw.shape[1] // kind.bytes, TILE * kind.bytes), dtype=torch.uint8)
+        torch.ops.lmstack.pack_gguf_into(raw.contiguous(), out, row, n, kind.bytes, kind.regrouped,
+                                         len(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0)
+        return out
+    if out is None:
+        return _pack_gguf(raw, qtype)
+    first, stop = row // TILE, -(-(row + raw.shape[0]) // TILE)  # the records raw's rows are in
+    rows = unpack_gguf(out[first:stop], qtype, (stop - first) * TILE)[:min(n, stop * TILE) - first * TILE].clone()
+    rows[row - first * TILE:row - first * TILE + raw.shape[0]] = raw
+    out[first:stop] = _pack_gguf(rows, qtype)
+    return out
+
+
+def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """pack_gguf of a whole tensor by PyTorch's operators."""
     kind = GGUF_TYPES[qtype]
     n = raw.shape[0]
     blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % TILE))

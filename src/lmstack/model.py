@@ -79,24 +79,19 @@ def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
 
 
 def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks:
-    """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, packed into
-    its buffer a chunk of rows at a time: beside the packed weights only a chunk of the file's bytes (and its
-    packing's temporaries) is held, never a second copy of a whole tensor."""
+    """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, each packed
+    into its buffer a chunk of rows at a time: beside the packed weights only a chunk of the file's bytes is held,
+    never a second copy of a whole tensor."""
     sizes = [source.info(name).shape[0] for name in names]
-    bounds = np.cumsum([0] + sizes).tolist()
-    tile = kernels.TILE
-    step = max(tile, PACK_CHUNK_BYTES // max(1, source.nbytes(names[0]) // sizes[0]) // tile * tile)
-    n, packed = bounds[-1], None
-    for start in range(0, n, step):
-        stop = min(start + step, n)
-        pieces = [source.stored(name, slice(max(start, lo) - lo, min(stop, hi) - lo))[1]
-                  for name, lo, hi in zip(names, bounds, bounds[1:]) if lo < stop and hi > start]
-        chunk = kernels.pack_gguf(pieces[0] if len(pieces) == 1 else torch.cat(pieces), qtype)
-        if packed is None:
-            packed = torch.empty((-(-n // tile), *chunk.shape[1:]), dtype=torch.uint8)
-        packed[start // tile:start // tile + chunk.shape[0]] = chunk
-        del pieces, chunk
-        release_freed_memory()  # the chunk's buffers, which glibc would otherwise keep and add to
+    n, kind = sum(sizes), kernels.GGUF_TYPES[qtype]
+    packed = torch.empty((-(-n // kernels.TILE), k // kind.values, kernels.TILE * kind.bytes), dtype=torch.uint8)
+    row = 0
+    for name, size in zip(names, sizes):
+        step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
+        for start in range(0, size, step):
+            kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
+        row += size
+    release_freed_memory()  # the chunks' buffers, which glibc would otherwise keep and add to
     return GGUFBlocks.from_packed(packed, qtype, n, k)
 
 
