@@ -131,6 +131,36 @@ def test_library_generate_follows_schema_regex_and_lark(model):
     assert tokenizer.decode([t for t in tokens.tolist() if t >= 0]) == texts[0]
 
 
+def test_masks_computed_ahead_together_are_each_rows_own(model):
+    """One side-thread job computes the next masks of many requests' rows (as the engine starts it each step);
+    each row's logits must come out as llguidance's own mask for that row says (its logit bias: 200 allowed)."""
+    from lmstack.grammar import compute_ahead
+
+    _, tokenizer = model
+    vocab = 49152 + 64  # embedding rows past the tokenizer's: never allowed
+    masks, prefixes = [], ['{"person":{"na', '{"tags":["ab",', '', '{"colour":"gr']
+    for prefix, name in zip(prefixes, ["nested objects, string lengths", "array minItems/maxItems", "anyOf",
+                                       "enum and integer bounds"]):
+        mask = compile(tokenizer, vocab, json_schema=SCHEMAS[name]).mask(2)
+        for token in tokenizer.encode(prefix, add_special_tokens=False) if prefix else []:
+            mask(torch.zeros(2, vocab))
+            mask.accept(torch.tensor([token, -1 if prefix.startswith('{"tags"') else token]))  # row 1: done
+        masks.append(mask)
+    compute_ahead(masks)
+    for mask in masks:
+        logits = torch.randn(2, vocab)
+        out = mask(logits)
+        for row, matcher in enumerate(mask.matchers):
+            if row not in mask._rows and not mask.ended[row]:  # a row made done: left as it was
+                assert torch.equal(out[row], logits[row])
+                continue
+            bias = torch.frombuffer(bytearray(matcher._matcher.compute_logit_bias()), dtype=torch.uint8)
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[:len(bias)] = bias[:vocab] > 0
+            assert 0 < allowed.sum() < vocab
+            assert torch.equal(out[row], logits[row].masked_fill(~allowed, -torch.inf))
+
+
 @pytest.mark.skipif(not kernels.available(), reason="prompt lookup needs lmstack's CPU kernels")
 def test_prompt_lookup_under_a_grammar_gives_the_plain_constrained_tokens(model):
     lm, tokenizer = model
