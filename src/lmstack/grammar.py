@@ -87,6 +87,8 @@ class GrammarMask:
         compute_ahead([self])
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
         if self._ahead is None:
             penalties, nonempty = _penalties([self.matchers[row] for row in self._rows])
         else:
@@ -101,6 +103,8 @@ class GrammarMask:
         else:
             penalty = np.zeros((len(self.matchers), self.vocab), dtype=np.float32)
             penalty[self._rows] = penalties
+        if logits.device.type == "cpu":  # NumPy's add runs on this thread: no OpenMP team to wait for
+            return torch.from_numpy(np.add(logits.numpy(), penalty, dtype=np.float32))
         return logits + torch.from_numpy(penalty).to(logits.device)
 
     def accept(self, tokens: torch.Tensor):
