@@ -106,6 +106,25 @@ def test_logprobs_under_a_grammar_list_only_allowed_tokens(client):
             or len(entry.top_logprobs) == 20
 
 
+def test_a_schema_sent_again_is_compiled_once_and_reordered_keys_anew(client, monkeypatch):
+    from lmstack import grammar
+
+    compiled = []
+    real = grammar.compile
+    monkeypatch.setattr(grammar, "compile", lambda *a, **k: compiled.append(k["json_schema"]) or real(*a, **k))
+    schema = {"type": "object", "properties": {"u": {"type": "integer", "minimum": 123456, "maximum": 123457},
+                                               "v": {"type": "boolean"}}, "required": ["u", "v"]}
+    swapped = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    answers = []
+    for sent in (schema, schema, swapped):
+        answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "uv", "schema": sent}})
+        answers.append(json.loads(answer.choices[0].message.content))
+        jsonschema.validate(answers[-1], sent)
+    assert compiled == [schema, swapped]  # the swapped order is its own grammar: its answer lists v first
+    assert answers[0] == answers[1] and list(answers[0]) == ["u", "v"] and list(answers[2]) == ["v", "u"]
+
+
 def test_json_object_answer_is_an_object(client):
     answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
                                             response_format={"type": "json_object"})
