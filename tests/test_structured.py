@@ -113,7 +113,8 @@ def test_a_schema_sent_again_is_compiled_once_and_reordered_keys_anew(client, mo
     real = grammar.compile
     monkeypatch.setattr(grammar, "compile", lambda *a, **k: compiled.append(k["json_schema"]) or real(*a, **k))
     schema = {"type": "object", "properties": {"u": {"type": "integer", "minimum": 123456, "maximum": 123457},
-                                               "v": {"type": "boolean"}}, "required": ["u", "v"]}
+                                               "v": {"type": "boolean"}},
+              "required": ["u", "v"], "additionalProperties": False}
     swapped = {**schema, "properties": dict(reversed(schema["properties"].items()))}
     answers = []
     for sent in (schema, schema, swapped):

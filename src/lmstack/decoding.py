@@ -69,7 +69,7 @@ class Decoder:
 
     def __init__(self, sampler: Sampler, processors=(), device="cpu", mask=None):
         self.sampler, self.processors = sampler, [p for p in processors if p is not None]
-        self.mask = mask  # the constraint's processor (a grammar.GrammarMask), whose next masks grammar.compute_ahead starts
+        self.mask = mask  # the constraint's processor: grammar.compute_ahead starts its next masks
         self.generator = sampler.generator(device)
         self.last: torch.Tensor | None = None
         self.ended: torch.Tensor | None = None

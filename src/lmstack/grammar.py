@@ -123,9 +123,10 @@ class GrammarMask:
 
 
 def compute_ahead(masks):
-    """Start computing the next masks of these GrammarMasks' rows (another kind of processor is left alone) on the side thread, all in one job, so they are
-    ready when the model's next forward ends. llguidance computes them without the GIL, so the forward (and the
-    Python driving it) goes on beside it; one job a step, not one a row, keeps the threads' handoffs to one."""
+    """Start computing the next masks of these GrammarMasks' rows (other processors are left alone) on the side
+    thread, all in one job, so they are ready when the model's next forward ends. llguidance computes them without
+    the GIL, so the forward (and the Python driving it) goes on beside it; one job a step, not one a row, keeps the
+    threads' handoffs to one."""
     masks = [mask for mask in masks if isinstance(mask, GrammarMask) and mask._ahead is None and mask._rows]
     if not masks:
         return
