@@ -106,6 +106,26 @@ def test_logprobs_under_a_grammar_list_only_allowed_tokens(client):
             or len(entry.top_logprobs) == 20
 
 
+def test_a_schema_sent_again_is_compiled_once_and_reordered_keys_anew(client, monkeypatch):
+    from lmstack import grammar
+
+    compiled = []
+    real = grammar.compile
+    monkeypatch.setattr(grammar, "compile", lambda *a, **k: compiled.append(k["json_schema"]) or real(*a, **k))
+    schema = {"type": "object", "properties": {"u": {"type": "integer", "minimum": 123456, "maximum": 123457},
+                                               "v": {"type": "boolean"}},
+              "required": ["u", "v"], "additionalProperties": False}
+    swapped = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    answers = []
+    for sent in (schema, schema, swapped):
+        answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "uv", "schema": sent}})
+        answers.append(json.loads(answer.choices[0].message.content))
+        jsonschema.validate(answers[-1], sent)
+    assert compiled == [schema, swapped]  # the swapped order is its own grammar: its answer lists v first
+    assert answers[0] == answers[1] and list(answers[0]) == ["u", "v"] and list(answers[2]) == ["v", "u"]
+
+
 def test_json_object_answer_is_an_object(client):
     answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
                                             response_format={"type": "json_object"})
@@ -129,6 +149,36 @@ def test_library_generate_follows_schema_regex_and_lark(model):
     constraint = compile(tokenizer, lm.vocab_size, json_schema=schema, eos_ids=lm.eos_ids + tokenizer.eos_ids)
     tokens = lm.generate([ids], 80, constraint=constraint)[0, len(ids):]
     assert tokenizer.decode([t for t in tokens.tolist() if t >= 0]) == texts[0]
+
+
+def test_masks_computed_ahead_together_are_each_rows_own(model):
+    """One side-thread job computes the next masks of many requests' rows (as the engine starts it each step);
+    each row's logits must come out as llguidance's own mask for that row says (its logit bias: 200 allowed)."""
+    from lmstack.grammar import compute_ahead
+
+    _, tokenizer = model
+    vocab = 49152 + 64  # embedding rows past the tokenizer's: never allowed
+    masks, prefixes = [], ['{"person":{"na', '{"tags":["ab",', '', '{"colour":"gr']
+    for prefix, name in zip(prefixes, ["nested objects, string lengths", "array minItems/maxItems", "anyOf",
+                                       "enum and integer bounds"]):
+        mask = compile(tokenizer, vocab, json_schema=SCHEMAS[name]).mask(2)
+        for token in tokenizer.encode(prefix, add_special_tokens=False) if prefix else []:
+            mask(torch.zeros(2, vocab))
+            mask.accept(torch.tensor([token, -1 if prefix.startswith('{"tags"') else token]))  # row 1: done
+        masks.append(mask)
+    compute_ahead(masks)
+    for mask in masks:
+        logits = torch.randn(2, vocab)
+        out = mask(logits)
+        for row, matcher in enumerate(mask.matchers):
+            if row not in mask._rows and not mask.ended[row]:  # a row made done: left as it was
+                assert torch.equal(out[row], logits[row])
+                continue
+            bias = torch.frombuffer(bytearray(matcher._matcher.compute_logit_bias()), dtype=torch.uint8)
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[:len(bias)] = bias[:vocab] > 0
+            assert 0 < allowed.sum() < vocab
+            assert torch.equal(out[row], logits[row].masked_fill(~allowed, -torch.inf))
 
 
 @pytest.mark.skipif(not kernels.available(), reason="prompt lookup needs lmstack's CPU kernels")

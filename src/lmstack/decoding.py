@@ -67,8 +67,9 @@ class Decoder:
     rows whose constraint is complete (no token but the end may follow).
     """
 
-    def __init__(self, sampler: Sampler, processors=(), device="cpu"):
+    def __init__(self, sampler: Sampler, processors=(), device="cpu", mask=None):
         self.sampler, self.processors = sampler, [p for p in processors if p is not None]
+        self.mask = mask  # the constraint's processor: grammar.compute_ahead starts its next masks
         self.generator = sampler.generator(device)
         self.last: torch.Tensor | None = None
         self.ended: torch.Tensor | None = None
@@ -88,9 +89,8 @@ class Decoder:
             processors.append(RepetitionPenalty(sampler.repetition_penalty, seen))
         if logit_bias:
             processors.append(LogitBias(logit_bias, device))
-        if constraint is not None:
-            processors.append(constraint.mask(batch))
-        return cls(sampler, processors, device)
+        mask = constraint.mask(batch) if constraint is not None else None
+        return cls(sampler, processors + [mask], device, mask)
 
     def choose(self, logits: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
         x = logits.float()  # as transformers computes, and faster

@@ -4,11 +4,12 @@
     lm.generate(ids, 64, constraint=constraint)      # or generate_text(..., json_schema=...), Engine.add(...)
 
 The interface is ours and small, so another backend (xgrammar) could fill it: `compile` gives a `Grammar`;
-a Grammar gives a `Matcher` per generated row (`accept(token)`, `allowed()` as a (vocab,) bool tensor,
+a Grammar gives a `Matcher` per generated row (`accept(token)`, `allowed()` as a (vocab,) bool array,
 `stopped`); `GrammarMask` is the decoding.Decoder processor over one matcher per row. llguidance fills it
-here. Its matcher computes the mask for step t+1 as soon as token t is accepted, in a side thread (llguidance
-releases the GIL) while the model's forward for step t+1 runs; the processor then waits for it (it is usually
-ready) and applies it with one masked_fill.
+here. The masks of step t+1 are computed on a side thread while the model's forward for step t+1 runs
+(`compute_ahead`: the engine starts one job a step for all its constrained requests, generate one for its
+rows; llguidance computes them in parallel without the GIL); the processor then waits for them (they are
+usually ready) and adds them to the logits (0 or -inf per token) in one op.
 
 Refusals are errors, never approximations: a schema feature llguidance cannot enforce (`not`, `uniqueItems`,
 look-around in a pattern, ...) is a GrammarError naming it, and a grammar that takes longer than
@@ -16,8 +17,8 @@ COMPILE_SECONDS to compile is refused too (its compile runs on a side thread, so
 The vocabulary is the model's embedding rows: ids the tokenizer lacks are never allowed.
 """
 
+import functools
 import json
-import math
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor, TimeoutError
@@ -54,15 +55,9 @@ class Matcher:
             raise GrammarError(f"the grammar refused token {token}: {self._matcher.get_error()}")
 
     def allowed(self) -> np.ndarray:
-        """(vocab,) bool: the tokens the grammar allows next. NumPy only: it runs in a side thread beside the
-        model's forward, whose OpenMP team a torch op here would contend with."""
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.zeros(self.vocab, dtype=bool)  # ids past the tokenizer's, up to the embedding rows: never
-        known = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
-        allowed[:len(known)] = known
-        if not allowed.any():
-            raise GrammarError(f"the grammar allows no token: {self._matcher.get_error() or 'it is stuck'}")
-        return allowed
+        """(vocab,) bool: the tokens the grammar allows next."""
+        bits = _bitmasks([self])[0].view(np.uint8)
+        return np.unpackbits(bits, count=self.vocab, bitorder="little").view(bool)
 
 
 class Grammar:
@@ -79,32 +74,102 @@ class Grammar:
 
 
 class GrammarMask:
-    """The decoding processor: -inf for the tokens a row's grammar forbids; a row ends when its grammar does."""
+    """The decoding processor: -inf added to the tokens a row's grammar forbids; a row ends when its grammar does.
+
+    The masks of a call are those `compute_ahead` started (for the first call: at construction, while the prompt
+    runs); without that, they are computed when the call comes."""
 
     def __init__(self, matchers: list):
-        self.matchers = matchers
+        self.matchers, self.vocab = matchers, matchers[0].vocab
         self.ended = torch.zeros(len(matchers), dtype=torch.bool)
-        self._next = [_MASKS.submit(m.allowed) for m in matchers]  # the first masks, while the prompt runs
+        self._rows = list(range(len(matchers)))  # the rows that take a mask next (not ended, not done)
+        self._ahead = None  # (future of _penalties' answer, where this mask's rows start in it)
+        compute_ahead([self])
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        allowed = np.ones(logits.shape, dtype=bool)
-        for row, pending in enumerate(self._next):
-            if pending is not None:
-                allowed[row] = pending.result()
-        return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -math.inf)
+        if not self._rows:
+            return logits
+        if self._ahead is None:
+            penalties, nonempty = _penalties([self.matchers[row] for row in self._rows])
+        else:
+            (future, start), self._ahead = self._ahead, None
+            penalties, nonempty = (a[start:start + len(self._rows)] for a in future.result())
+        for row, ok in zip(self._rows, nonempty.tolist()):
+            if not ok:
+                error = self.matchers[row]._matcher.get_error()
+                raise GrammarError(f"the grammar allows no token: {error or 'it is stuck'}")
+        if len(self._rows) == len(self.matchers):
+            penalty = penalties
+        else:
+            penalty = np.zeros((len(self.matchers), self.vocab), dtype=np.float32)
+            penalty[self._rows] = penalties
+        if logits.device.type == "cpu":  # NumPy's add runs on this thread: no OpenMP team to wait for
+            return torch.from_numpy(np.add(logits.numpy(), penalty, dtype=np.float32))
+        return logits + torch.from_numpy(penalty).to(logits.device)
 
     def accept(self, tokens: torch.Tensor):
-        for row, token in enumerate(tokens.tolist()):
-            matcher = self.matchers[row]
-            if token < 0 or self.ended[row]:
-                self._next[row] = None
+        rows = []
+        for row in self._rows:
+            token = int(tokens[row])
+            if token < 0:
                 continue
+            matcher = self.matchers[row]
             matcher.accept(token)
             if matcher.stopped:
                 self.ended[row] = True
-                self._next[row] = None
             else:
-                self._next[row] = _MASKS.submit(matcher.allowed)
+                rows.append(row)
+        self._rows = rows
+
+
+def compute_ahead(masks):
+    """Start computing the next masks of these GrammarMasks' rows (other processors are left alone) on the side
+    thread, all in one job, so they are ready when the model's next forward ends. llguidance computes them without
+    the GIL, so the forward (and the Python driving it) goes on beside it; one job a step, not one a row, keeps the
+    threads' handoffs to one."""
+    masks = [mask for mask in masks if isinstance(mask, GrammarMask) and mask._ahead is None and mask._rows]
+    if not masks:
+        return
+    future = _MASKS.submit(_penalties, [mask.matchers[row] for mask in masks for row in mask._rows])
+    start = 0
+    for mask in masks:
+        mask._ahead = (future, start)
+        start += len(mask._rows)
+
+
+def _bitmasks(matchers: list) -> np.ndarray:
+    """(n, words) int32: bit t of each row set where its matcher allows token t next (ids past the tokenizer's, up
+    to the embedding rows, never), computed by llguidance in one call."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    vocab = matchers[0].vocab
+    if any(m.vocab != vocab for m in matchers):
+        raise ValueError("masks computed together must share one vocabulary")
+    bits = np.zeros((len(matchers), (vocab + 31) // 32), dtype=np.int32)
+    fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], bits)
+    return bits
+
+
+# the penalties of a mask byte's 8 tokens (bit j: token j of the 8): 0 where its bit is set, -inf where not
+_BYTE_PENALTIES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
+                           np.float32(0), np.float32(-np.inf))
+
+
+def _penalties(matchers: list) -> tuple[np.ndarray, np.ndarray]:
+    """(n, vocab) float32 to add to the logits, 0 where a token is allowed and -inf elsewhere, and (n,) bool,
+    whether a row allows any token. NumPy only (it runs beside the model's forward, whose OpenMP team a torch op
+    would contend with): one lookup of 8 penalties per mask byte, so that applying it is one add, not a select."""
+    bits = _bitmasks(matchers)
+    penalties = np.take(_BYTE_PENALTIES, bits.view(np.uint8), axis=0).reshape(len(matchers), -1)
+    return penalties[:, :matchers[0].vocab], bits.any(axis=1)
+
+
+@functools.cache
+def _executor():
+    """llguidance's thread pool for computing masks, made on first use."""
+    from llguidance import LLExecutor
+
+    return LLExecutor()
 
 
 def compile(tokenizer, vocab_size: int, *, json_schema=None, regex: str | None = None, lark: str | None = None,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import memory
+from . import grammar, memory
 from .blocks.mamba1 import Mamba1Block, RecurrentContext
 from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
@@ -759,6 +759,8 @@ class CausalLM:
         try:
             for i in range(max_new_tokens):
                 tokens = decoder.choose(logits[:, -1], done)
+                if decoder.mask is not None:
+                    grammar.compute_ahead([decoder.mask])
                 done |= torch.isin(tokens, eos)
                 if decoder.ended is not None:
                     done |= decoder.ended

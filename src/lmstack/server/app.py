@@ -16,6 +16,7 @@ import struct
 import sys
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import anyio
@@ -44,6 +45,7 @@ MAX_WAITING = 64
 SHORT_WAITING_PER_SLOT = 4  # short requests taken past a full queue, per slot the engine keeps for them
 SEND_BUFFER = 1 << 16  # bytes of a stream the server holds for a client that is not reading: socket and uvicorn each
 SEND_TIMEOUT = 5.0  # seconds a stream waits for room in a full send buffer before it cuts the client off
+GRAMMARS_KEPT = 64  # compiled grammars a server keeps for requests that send the same source again
 PROMPT_CHUNK = 256  # prompt tokens per forward when scoring a prompt (echo with logprobs)
 TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 
@@ -69,6 +71,7 @@ class Service:
         self.in_flight = 0  # requests handed to the engine and not yet finished
         self.short_in_flight: set = set()  # the handles of those that take the engine's kept slots (short requests)
         self._forward_lock = threading.Lock()
+        self._grammars: OrderedDict = OrderedDict()  # the last GRAMMARS_KEPT compiled, by their source
         self.created = p.now()
         self.registry = CollectorRegistry()
         self.requests = Counter("lmstack_requests", "HTTP requests answered", ["route", "status"],
@@ -166,13 +169,22 @@ class Service:
         return handles
 
     async def constraint(self, param: str, **grammar_source):
-        """The compiled grammar.Grammar of a json_schema, regex or lark, compiled off the event loop; a grammar
-        that cannot be enforced or compiled in time is a 400 naming `param`."""
+        """The compiled grammar.Grammar of a json_schema, regex or lark, compiled off the event loop, or kept from
+        an earlier request with the same source (apps send one schema again and again); a grammar that cannot be
+        enforced or compiled in time is a 400 naming `param`."""
+        key = json.dumps(grammar_source)  # the schema's key order kept: it is the order of the answer's keys
+        if (compiled := self._grammars.get(key)) is not None:
+            self._grammars.move_to_end(key)
+            return compiled
         try:
-            return await asyncio.to_thread(grammar.compile, self.tokenizer, self.engine.model.vocab_size,
-                                           eos_ids=self.eos_ids, **grammar_source)
+            compiled = await asyncio.to_thread(grammar.compile, self.tokenizer, self.engine.model.vocab_size,
+                                               eos_ids=self.eos_ids, **grammar_source)
         except grammar.GrammarError as e:
             raise p.APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
+        self._grammars[key] = compiled
+        if len(self._grammars) > GRAMMARS_KEPT:
+            self._grammars.popitem(last=False)
+        return compiled
 
     async def prompt_logprobs(self, ids: list[int], top: int) -> list:
         """[(logprob, top)] of each prompt token after the first, given the ones before it (one forward, off the
