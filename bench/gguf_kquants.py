@@ -1,6 +1,6 @@
 """Microbenchmark of the K-quant kernels on one layer's shapes (8192x2048 and 2048x8192, random blocks with sane
 scales): the bf16 matvec (decode) and the dequantize to bfloat16 (prefill), per type. With --baseline REV the
-kernels_gguf.cpp of git revision REV is built beside this tree's and the two are timed alternately in one run."""
+kernels of git revision REV are built beside this tree's and the two are timed alternately in one run."""
 
 import argparse
 import subprocess
@@ -27,19 +27,27 @@ def sane_blocks(qtype, rows, cols, seed=0) -> torch.Tensor:
 
 
 def build_baseline(rev: str):
-    """REV's kernels_gguf.cpp as the operators lmstack_base.gguf_matvec / gguf_dequantize."""
+    """REV's kernel sources (those of this tree's kernels.SOURCES it has, and its kernels.h) as the operators
+    torch.ops.lmstack_base.*: the whole library, since one source may call another's functions."""
     from torch.utils import cpp_extension
 
-    source = subprocess.run(["git", "show", f"{rev}:src/lmstack/kernels_gguf.cpp"], capture_output=True, text=True,
-                            check=True, cwd=SRC).stdout
-    build = Path(".torch_ext/gguf_baseline")
+    build = Path(".torch_ext/lmstack_base")
     build.mkdir(parents=True, exist_ok=True)
-    path = build / "kernels_gguf_base.cpp"
-    text = source.replace("TORCH_LIBRARY_FRAGMENT(lmstack,", "TORCH_LIBRARY_FRAGMENT(lmstack_base,")
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    cpp_extension.load(name="lmstack_gguf_base", sources=[str(path)], extra_cflags=kernels.FLAGS,
-                       extra_include_paths=[str(SRC)], build_directory=str(build), is_python_module=False)
+    paths = []
+    for source in (*kernels.SOURCES, "kernels.h"):
+        shown = subprocess.run(["git", "show", f"{rev}:src/lmstack/{source}"], capture_output=True, text=True,
+                               cwd=SRC)
+        if shown.returncode:
+            continue  # a source REV does not have yet
+        text = shown.stdout.replace("TORCH_LIBRARY(lmstack,", "TORCH_LIBRARY(lmstack_base,")
+        text = text.replace("TORCH_LIBRARY_FRAGMENT(lmstack,", "TORCH_LIBRARY_FRAGMENT(lmstack_base,")
+        path = build / source
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        if source.endswith(".cpp"):
+            paths.append(str(path))
+    cpp_extension.load(name="lmstack_base", sources=paths, extra_cflags=kernels.FLAGS, build_directory=str(build),
+                       is_python_module=False)
     return torch.ops.lmstack_base
 
 
