@@ -836,6 +836,39 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   return y;
 }
 
+// Row n's blocks b0..b1-1 of a packed matrix (KB blocks a row, R bytes a tile's block), dequantized into out from
+// element `at` on, as float32 or bfloat16: for a type whose tiles are regrouped (Q8_0, Q4_0, ...) and for one
+// whose blocks stay whole (the K-quants)
+template <int64_t T>
+void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
+                   bool bf16, int64_t at) {
+  const int64_t r = n % TILE;
+  const uint8_t* rec = wp + ((n / TILE) * KB + b0) * R;
+  for (int64_t b = b0; b < b1; b++, rec += R) {
+    alignas(32) float d[TILE], m[TILE] = {};
+    _mm256_store_ps(d, halves(rec));
+    if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
+    const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
+    for (int half = 0; half < 2; half++) {
+      const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
+      lmstack::store16(out, bf16, at + (b - b0) * 32 + 16 * half,
+                       dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
+    }
+  }
+}
+
+template <class T>
+void whole_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out, bool bf16,
+               int64_t at) {
+  alignas(64) float v[T::QK];
+  const uint8_t* block = wp + ((n / TILE) * KB + b0) * R + (n % TILE) * T::BYTES;
+  for (int64_t b = b0; b < b1; b++, block += R) {
+    dequant_block<T>(block, v);
+    for (int64_t j = 0; j < T::QK; j += 16)
+      lmstack::store16(out, bf16, at + (b - b0) * T::QK + j, _mm512_load_ps(v + j));
+  }
+}
+
 // Rows `rows` (int64, any shape; None: every row) of packed blocks w dequantized to float32, exactly as
 // gguf.quants.dequantize gives them, or those values rounded to bfloat16: shape rows.shape + (K,)
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t K,
@@ -863,35 +896,12 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / std::max<int64_t>(K, 1));
   auto regrouped = [&]<int64_t T>() {
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; i++) {
-        const int64_t n = rp ? rp[i] : i, r = n % TILE;
-        const uint8_t* rec = wp + (n / TILE) * KB * R;
-        for (int64_t b = 0; b < KB; b++, rec += R) {
-          alignas(32) float d[TILE], m[TILE] = {};
-          _mm256_store_ps(d, halves(rec));
-          if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
-          const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-          for (int half = 0; half < 2; half++) {
-            const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
-            lmstack::store16(op, bf16, i * K + b * 32 + 16 * half,
-                             dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
-          }
-        }
-      }
+      for (int64_t i = i0; i < i1; i++) regrouped_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
   auto whole = [&]<class T>() {
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
-      alignas(64) float v[T::QK];
-      for (int64_t i = i0; i < i1; i++) {
-        const int64_t n = rp ? rp[i] : i;
-        const uint8_t* block = wp + (n / TILE) * KB * R + (n % TILE) * T::BYTES;
-        for (int64_t b = 0; b < KB; b++, block += R) {
-          dequant_block<T>(block, v);
-          for (int64_t j = 0; j < T::QK; j += 16)
-            lmstack::store16(op, bf16, i * K + b * T::QK + j, _mm512_load_ps(v + j));
-        }
-      }
+      for (int64_t i = i0; i < i1; i++) whole_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
   with_gguf_type(type, regrouped, whole);
@@ -924,31 +934,11 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   };
   auto regrouped = [&]<int64_t T>() {
     gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) {
-      const int64_t r = n % TILE;
-      const uint8_t* rec = wp + ((n / TILE) * KB + b0) * R;
-      for (int64_t b = b0; b < b1; b++, rec += R) {
-        alignas(32) float d[TILE], m[TILE] = {};
-        _mm256_store_ps(d, halves(rec));
-        if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
-        const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
-        for (int half = 0; half < 2; half++) {
-          const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
-          lmstack::store16(out, true, (b - b0) * 32 + 16 * half,
-                           dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
-        }
-      }
+      regrouped_row<T>(wp, KB, R, n, b0, b1, out, true, 0);
     });
   };
   auto whole = [&]<class T>() {
-    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) {
-      alignas(64) float v[T::QK];
-      const uint8_t* block = wp + ((n / TILE) * KB + b0) * R + (n % TILE) * T::BYTES;
-      for (int64_t b = b0; b < b1; b++, block += R) {
-        dequant_block<T>(block, v);
-        for (int64_t j = 0; j < T::QK; j += 16)
-          lmstack::store16(out, true, (b - b0) * T::QK + j, _mm512_load_ps(v + j));
-      }
-    });
+    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) { whole_row<T>(wp, KB, R, n, b0, b1, out, true, 0); });
   };
   with_gguf_type(type, regrouped, whole);
   return y;
