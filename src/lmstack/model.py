@@ -759,8 +759,7 @@ class CausalLM:
         try:
             for i in range(max_new_tokens):
                 tokens = decoder.choose(logits[:, -1], done)
-                if decoder.mask is not None:
-                    grammar.compute_ahead([decoder.mask])
+                grammar.compute_ahead([decoder.mask])
                 done |= torch.isin(tokens, eos)
                 if decoder.ended is not None:
                     done |= decoder.ended

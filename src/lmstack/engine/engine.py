@@ -457,7 +457,7 @@ class Engine:
             reason = handle._push(token, ended)
             if reason is not None:
                 self._end(handle, reason)
-        grammar.compute_ahead([h._decoder.mask for h in self._handles.values() if h._decoder.mask is not None])
+        grammar.compute_ahead([h._decoder.mask for h in self._handles.values()])
 
     def _end(self, handle: Handle, reason: str, error: EngineError | None = None):
         """Drop a request; the stats count it gone before its caller can see it finish."""

@@ -66,9 +66,10 @@ class Scheduler:
         seq.rank = self.steps + seq.work
         bisect.insort(self.waiting, seq)
 
-    def short(self, seq: Seq) -> bool:
-        """Whether seq may take a slot kept for short requests: it leaves it within short_tokens steps."""
-        return seq.max_tokens <= self.short_tokens and seq.n_prompt <= self.max_prefill_tokens
+    def short(self, n_prompt: int, max_tokens: int) -> bool:
+        """Whether a request of n_prompt tokens making at most max_tokens may take a slot kept for short requests:
+        one step computes its prompt whole, and it leaves the slot within short_tokens steps."""
+        return max_tokens <= self.short_tokens and n_prompt <= self.max_prefill_tokens
 
     def remove(self, seq: Seq):
         """Take seq out of the queues (finished or aborted) and release what it holds."""
@@ -134,11 +135,14 @@ class Scheduler:
     def _next(self) -> Seq | None:
         """The waiting sequence a free slot takes: the first in rank while a slot is free for any request, else,
         while one kept for short requests is, the short one of least work."""
+        def short(seq):
+            return self.short(seq.n_prompt, seq.max_tokens)
+
         if not self.waiting or len(self.running) >= self.max_running:
             return None
-        if sum(not self.short(seq) for seq in self.running) < self.max_running - self.short_slots:
+        if sum(not short(seq) for seq in self.running) < self.max_running - self.short_slots:
             return self.waiting[0]
-        return min((seq for seq in self.waiting if self.short(seq)), key=lambda seq: (seq.work, seq), default=None)
+        return min((seq for seq in self.waiting if short(seq)), key=lambda seq: (seq.work, seq), default=None)
 
     def _admit(self, batch: dict, budget: int, *, whole: bool) -> int:
         """Admit waiting sequences (_next) while there is room (whole: only while the next one's prompt fits the

@@ -144,7 +144,7 @@ class Service:
                              code="context_length_exceeded")
         n = request.choices
         scheduler = self.engine.scheduler
-        short = n == 1 and limit <= scheduler.short_tokens and len(ids) <= scheduler.max_prefill_tokens
+        short = n == 1 and scheduler.short(len(ids), limit)
         short_room = len(self.short_in_flight) < scheduler.short_slots * SHORT_WAITING_PER_SLOT
         if self.in_flight + n > self.max_running + self.max_waiting and not (short and short_room):
             raise p.APIError(429, f"the queue is full: {self.in_flight} requests in flight (lmstack serve "
