@@ -61,18 +61,26 @@ def seconds(f, repeat):
     return best
 
 
-def main():
+def kernel_arguments(types: str) -> argparse.ArgumentParser:
+    """The options of a kernel benchmark: --types, --baseline, --threads, --repeat."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--types", default=types)
     parser.add_argument("--baseline", help="a git revision to compare with")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    return parser
+
+
+def operators(args) -> dict:
+    """{"base": the --baseline revision's kernels, if any, "new": this tree's}, on --threads threads."""
     torch.set_num_threads(args.threads)
     assert kernels.available()
-    ops = {"new": torch.ops.lmstack}
-    if args.baseline:
-        ops = {"base": build_baseline(args.baseline), **ops}
+    return {**({"base": build_baseline(args.baseline)} if args.baseline else {}), "new": torch.ops.lmstack}
+
+
+def main():
+    args = kernel_arguments("Q4_K,Q5_K,Q6_K").parse_args()
+    ops = operators(args)
     for name in args.types.split(","):
         qtype = Q[name]
         for n, k in ((8192, 2048), (2048, 8192)):

@@ -8,12 +8,11 @@ beside this tree's and the two are timed alternately in one run (their results m
     python bench/many_rows.py --model 1.7b --types bf16,Q4_0 --baseline HEAD~1
 """
 
-import argparse
 import time
 
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_kquants import build_baseline, sane_blocks
+from gguf_kquants import kernel_arguments, operators, sane_blocks
 
 from lmstack import kernels
 
@@ -42,19 +41,11 @@ def weights(kind: str, model: str):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = kernel_arguments("bf16,Q8_0,Q4_0")
     parser.add_argument("--model", choices=MODELS, default="135m")
-    parser.add_argument("--types", default="bf16,Q8_0,Q4_0")
     parser.add_argument("--rows", default="1,4,8,16")
-    parser.add_argument("--baseline", help="a git revision to compare with")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    assert kernels.available()
-    ops = {"new": torch.ops.lmstack}
-    if args.baseline:
-        ops = {"base": build_baseline(args.baseline), **ops}
+    ops = operators(args)
     rows = [int(m) for m in args.rows.split(",")]
     generator = torch.Generator().manual_seed(0)
     for kind in args.types.split(","):
