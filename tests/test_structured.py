@@ -181,6 +181,89 @@ def test_masks_computed_ahead_together_are_each_rows_own(model):
             assert torch.equal(out[row], logits[row].masked_fill(~allowed, -torch.inf))
 
 
+def test_a_matchers_single_token_check_agrees_with_its_mask(model):
+    """Lazy masking asks `allows(token)` instead of computing the mask: it must say what the mask says, for every
+    id (EOS where the grammar may end, ids past the tokenizer's never), in every state a mask is asked for (a
+    stopped matcher ends its row instead)."""
+    _, tokenizer = model
+    vocab = 49152 + 64
+    eos = tokenizer.eos_ids[0]
+    for source, prefix in [(dict(json_schema=SCHEMAS["nested objects, string lengths"]), '{"person":{"name":"ab'),
+                           (dict(json_schema=SCHEMAS["anyOf"]), '{"v":'), (dict(regex="[0-9]{1,3}"), "1"),
+                           (dict(regex="[0-9]{1,3}"), "12"), (dict(lark='start: "yes" | "no"'), "")]:
+        matcher = compile(tokenizer, vocab, **source).matcher()
+        for token in tokenizer.encode(prefix, add_special_tokens=False) if prefix else []:
+            matcher.accept(token)
+        allowed = matcher.allowed()
+        assert not matcher.stopped and allowed.any() and not allowed[49152:].any()
+        assert [matcher.allows(t) for t in range(vocab)] == allowed.tolist(), (source, prefix)
+        assert allowed[eos] == (prefix in ("1", "12")), (source, prefix)
+
+
+def test_lazy_and_eager_masks_choose_the_same_greedy_tokens(model, monkeypatch):
+    """Requests whose unmasked argmax the grammar often refuses get the same tokens lazily masked (the default) as
+    eagerly (logprobs asked: every step masked): a random model under schemas (refused almost always), and one
+    biased to "7" under a grammar that allows it every other token."""
+    from lmstack.engine import Engine
+    from lmstack.grammar import GrammarMask
+
+    lm, tokenizer = model
+    checks, refusals = [], []
+    refused, masked = GrammarMask.refused, GrammarMask.masked
+    monkeypatch.setattr(GrammarMask, "refused", lambda self, tokens: checks.append(1) or refused(self, tokens))
+    monkeypatch.setattr(GrammarMask, "masked", lambda self, logits, rows: refusals.append(len(rows))
+                        or masked(self, logits, rows))
+    seven = tokenizer.encode("7", add_special_tokens=False)[0]
+    requests = [("Hello", dict(json_schema=SCHEMAS["$ref"]), None),
+                ("A person:", dict(json_schema=SCHEMAS["nested objects, string lengths"]), None),
+                ("Sevens:", dict(regex="(7[a-z]){25}"), {seven: 100})]
+    with Engine(lm, tokenizer, max_running=8) as engine:
+        pairs = []
+        for prompt, source, bias in requests:
+            constraint = compile(tokenizer, lm.vocab_size, **source)
+            pairs.append([engine.add(tokenizer.encode(prompt), max_tokens=60, constraint=constraint, eos_ids=(),
+                                     logit_bias=bias, logprobs=logprobs) for logprobs in (None, 0)])
+        for lazy, eager in pairs:
+            assert list(lazy) == list(eager) and lazy.finish_reason == eager.finish_reason
+            assert len(lazy.tokens) > 10
+        assert pairs[2][0].text.count("7") == 25
+    assert 0.2 * len(checks) < sum(refusals) < 0.9 * len(checks)  # both ways taken, the refused one often
+
+
+def test_lazy_sampling_draws_from_the_masked_distribution():
+    """Sampling from the tempered distribution uncut: a token the grammar refuses is drawn again from the masked
+    row (rejection sampling), which gives exactly the masked distribution, seed for seed the same. Most of the
+    unmasked mass is on refused tokens, so resampling wrongly (masked argmax, no temperature, the unmasked row)
+    fails the chi-square test."""
+    from lmstack.decoding import Decoder
+    from lmstack.sampling import Sampler
+    from lmstack.tokenizer import Tokenizer
+    from test_server import TOKENIZER
+
+    tokenizer = Tokenizer.from_pretrained(TOKENIZER)
+    vocab, rows, temperature = 49152, 3000, 0.7
+    digits = [tokenizer.encode(d, add_special_tokens=False)[0] for d in "012"]
+    letters = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "abc"]
+    logits = torch.full((rows, vocab), -torch.inf)
+    logits[:, digits] = torch.tensor([1.0, 0.5, 0.0])
+    logits[:, letters] = torch.tensor([2.5, 2.0, 1.5])
+    constraint = compile(tokenizer, vocab, regex="[0-9]")
+
+    def draw(seed):
+        decoder = Decoder.build(Sampler(temperature=temperature, seed=seed), [[0]] * rows, vocab, "cpu",
+                                constraint=constraint)
+        assert decoder.mask.lazy
+        return decoder.choose(logits)
+
+    tokens = draw(5)
+    assert torch.equal(draw(5), tokens)
+    counts = torch.tensor([(tokens == d).sum().item() for d in digits], dtype=torch.float64)
+    assert counts.sum() == rows
+    expected = rows * (logits[0, digits] / temperature).softmax(-1).double()
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 13.8, (counts, expected)  # 2 degrees of freedom, p = 0.001
+
+
 @pytest.mark.skipif(not kernels.available(), reason="prompt lookup needs lmstack's CPU kernels")
 def test_prompt_lookup_under_a_grammar_gives_the_plain_constrained_tokens(model):
     lm, tokenizer = model
@@ -479,11 +562,11 @@ def test_a_failing_constraint_ends_only_its_own_request(model):
 
     lm, tokenizer = model
 
-    class Failing:  # a constraint whose mask fails at the third step
-        def mask(self, batch):
-            return self
+    class Failing:  # a constraint whose (eager) mask fails at the third step
+        lazy, steps = False, 0
 
-        steps = 0
+        def mask(self, batch, lazy):
+            return self
 
         def __call__(self, logits):
             self.steps += 1

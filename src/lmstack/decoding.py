@@ -3,9 +3,17 @@
 `CausalLM.generate` and `stream`, prompt lookup and the engine each make one `Decoder` per generation (the
 engine one per request) and hand it every step's logits. The processors rewrite the float32 logits in a fixed
 order: OpenAI's presence and frequency penalties, transformers' repetition penalty, OpenAI's logit bias, a
-grammar's mask. Then the
-sampler draws, and every processor sees the chosen tokens. A new constraint is one more processor: an object
-with `__call__(logits) -> logits` and `accept(tokens)` (tokens (B,), -1 for a row that has stopped).
+grammar's mask. Then the sampler draws, and every processor sees the chosen tokens. A new constraint is one more
+processor: an object with `__call__(logits) -> logits` and `accept(tokens)` (tokens (B,), -1 for a row that has
+stopped).
+
+A grammar's mask is lazy where that is exact (grammar.py): the sampler draws from the unmasked logits, and only
+rows whose token the grammar refuses draw again from their masked logits. Greedy: masking only lowers refused
+tokens to -inf, so an allowed argmax of the unmasked row is the argmax of the masked row too (ties included:
+argmax takes the first maximum, and every entry before it stays below it). Sampling from the tempered
+distribution p uncut: token t allowed comes out with p(t) + P(refused) * p(t) / P(allowed) = p(t) / P(allowed),
+the masked distribution (rejection sampling), seed for seed deterministic. Top-k/top-p/min-p cut the distribution
+by ranks the mask would change, and logprobs are of the masked distribution, so those keep the eager mask.
 """
 
 import torch
@@ -63,22 +71,24 @@ class Decoder:
 
     `choose(logits)` takes (B, vocab) logits and returns (B,) tokens; rows in `done` get -1 and are not
     shown to the processors. `logprobs()` is the log-distribution the last tokens were drawn from (after the
-    processors and the temperature, before top-k/top-p/min-p truncation; greedy: temperature 1). `ended` marks
-    rows whose constraint is complete (no token but the end may follow).
+    processors and the temperature, before top-k/top-p/min-p truncation; greedy: temperature 1), which needs an
+    eager mask (build with logprobs=True). `ended` marks rows whose constraint is complete (no token but the end
+    may follow).
     """
 
     def __init__(self, sampler: Sampler, processors=(), device="cpu", mask=None):
         self.sampler, self.processors = sampler, [p for p in processors if p is not None]
-        self.mask = mask  # the constraint's processor: grammar.compute_ahead starts its next masks
+        self.mask = mask  # the constraint's processor, applied last: grammar.GrammarMask, eager or lazy
         self.generator = sampler.generator(device)
         self.last: torch.Tensor | None = None
         self.ended: torch.Tensor | None = None
 
     @classmethod
     def build(cls, sampler: Sampler, prompts, vocab: int, device, *, presence: float = 0.0, frequency: float = 0.0,
-              logit_bias: dict | None = None, constraint=None) -> "Decoder":
+              logit_bias: dict | None = None, constraint=None, logprobs: bool = False) -> "Decoder":
         """The chain for rows of `prompts` (lists of token ids): the penalties asked for, the logit bias
-        ({token id: number}), then the constraint's mask (a grammar.Grammar, one matcher per row)."""
+        ({token id: number}), then the constraint's mask (a grammar.Grammar, one matcher per row), lazy unless
+        `logprobs` (they will be asked for) or the sampler truncates."""
         batch, processors = len(prompts), []
         if presence or frequency:
             processors.append(PresenceFrequencyPenalty(presence, frequency, batch, vocab, device))
@@ -89,19 +99,27 @@ class Decoder:
             processors.append(RepetitionPenalty(sampler.repetition_penalty, seen))
         if logit_bias:
             processors.append(LogitBias(logit_bias, device))
-        mask = constraint.mask(batch) if constraint is not None else None
-        return cls(sampler, processors + [mask], device, mask)
+        lazy = not logprobs and not sampler.truncates
+        mask = constraint.mask(batch, lazy) if constraint is not None else None
+        return cls(sampler, processors, device, mask)
 
     def choose(self, logits: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
         x = logits.float()  # as transformers computes, and faster
         for processor in self.processors:
             x = processor(x)
-        self.last = x
+        lazy = self.mask is not None and self.mask.lazy
+        if self.mask is not None and not lazy:
+            x = self.mask(x)
+        self.last = None if lazy else x
         tokens = self.sampler.draw(x, self.generator).to(logits.device)
         if done is not None:
             tokens = tokens.masked_fill(done, -1)
+        if lazy and (rows := self.mask.refused(tokens)):
+            tokens[rows] = self.sampler.draw(self.mask.masked(x[rows], rows), self.generator).to(logits.device)
         ended = None
-        for processor in self.processors:
+        for processor in self.processors + [self.mask]:
+            if processor is None:
+                continue
             processor.accept(tokens)
             if (stopped := getattr(processor, "ended", None)) is not None:
                 ended = stopped.to(tokens.device)
@@ -110,4 +128,6 @@ class Decoder:
 
     def logprobs(self) -> torch.Tensor:
         """(B, vocab) float32 log-probabilities of the distribution the last tokens came from."""
+        if self.last is None:
+            raise RuntimeError("logprobs need a decoder built with logprobs=True (its mask eager)")
         return (self.last / (self.sampler.temperature or 1.0)).log_softmax(-1)

@@ -4,12 +4,23 @@
     lm.generate(ids, 64, constraint=constraint)      # or generate_text(..., json_schema=...), Engine.add(...)
 
 The interface is ours and small, so another backend (xgrammar) could fill it: `compile` gives a `Grammar`;
-a Grammar gives a `Matcher` per generated row (`accept(token)`, `allowed()` as a (vocab,) bool array,
-`stopped`); `GrammarMask` is the decoding.Decoder processor over one matcher per row. llguidance fills it
-here. The masks of step t+1 are computed on a side thread while the model's forward for step t+1 runs
-(`compute_ahead`: the engine starts one job a step for all its constrained requests, generate one for its
-rows; llguidance computes them in parallel without the GIL); the processor then waits for them (they are
-usually ready) and adds them to the logits (0 or -inf per token) in one op.
+a Grammar gives a `Matcher` per generated row (`accept(token)`, `allows(token)`, `allowed()` as a (vocab,) bool
+array, `stopped`); `GrammarMask` is the decoding.Decoder processor over one matcher per row. llguidance fills it
+here.
+
+A mask is computed only where it can change the choice. A lazy GrammarMask (greedy rows, or sampling from the
+tempered distribution uncut, without logprobs: decoding.Decoder decides) lets the sampler choose from the
+unmasked logits and asks the matcher whether that token is allowed (well under a microsecond); only a row whose
+token is refused gets its mask, computed there and then on the calling thread, and chooses again (`refused`,
+`masked`). An eager GrammarMask (logprobs asked, or top-k/top-p/min-p sampling) masks every row every step: the
+masks of step t+1 are computed on a side thread while the model's forward for step t+1 runs (`compute_ahead`:
+the engine starts one job a step for all its eager requests, generate one for its rows; llguidance computes
+them in parallel without the GIL); the processor then waits for them (they are usually ready) and adds them to
+the logits (0 or -inf per token) in one op.
+
+Why lazy first: on a 2-core CPU the side thread's job and its wake-ups compete with the forward's two OpenMP
+threads, and with 16 rows a step the masks' NumPy work is ~0.4 ms of CPU; a refused row's inline mask is ~5 us
+of llguidance plus one row's add.
 
 Refusals are errors, never approximations: a schema feature llguidance cannot enforce (`not`, `uniqueItems`,
 look-around in a pattern, ...) is a GrammarError naming it, and a grammar that takes longer than
@@ -54,6 +65,10 @@ class Matcher:
         if not self._matcher.consume_token(token):
             raise GrammarError(f"the grammar refused token {token}: {self._matcher.get_error()}")
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows token next (llguidance checks the one token: far cheaper than a mask)."""
+        return self._matcher.validate_tokens([token]) == 1
+
     def allowed(self) -> np.ndarray:
         """(vocab,) bool: the tokens the grammar allows next."""
         bits = _bitmasks([self])[0].view(np.uint8)
@@ -69,18 +84,19 @@ class Grammar:
     def matcher(self) -> Matcher:
         return Matcher(self._template.deep_copy(), self.vocab)
 
-    def mask(self, batch: int) -> "GrammarMask":
-        return GrammarMask([self.matcher() for _ in range(batch)])
+    def mask(self, batch: int, lazy: bool = False) -> "GrammarMask":
+        return GrammarMask([self.matcher() for _ in range(batch)], lazy)
 
 
 class GrammarMask:
     """The decoding processor: -inf added to the tokens a row's grammar forbids; a row ends when its grammar does.
 
-    The masks of a call are those `compute_ahead` started (for the first call: at construction, while the prompt
-    runs); without that, they are computed when the call comes."""
+    Eager (the default): `__call__` masks every row; its masks are those `compute_ahead` started (for the first
+    call: at construction, while the prompt runs), else computed when the call comes. Lazy: the decoder chooses
+    unmasked, then masks only the `refused` rows (`masked`), and compute_ahead leaves it alone."""
 
-    def __init__(self, matchers: list):
-        self.matchers, self.vocab = matchers, matchers[0].vocab
+    def __init__(self, matchers: list, lazy: bool = False):
+        self.matchers, self.vocab, self.lazy = matchers, matchers[0].vocab, lazy
         self.ended = torch.zeros(len(matchers), dtype=torch.bool)
         self._rows = list(range(len(matchers)))  # the rows that take a mask next (not ended, not done)
         self._ahead = None  # (future of _penalties' answer, where this mask's rows start in it)
@@ -94,18 +110,33 @@ class GrammarMask:
         else:
             (future, start), self._ahead = self._ahead, None
             penalties, nonempty = (a[start:start + len(self._rows)] for a in future.result())
-        for row, ok in zip(self._rows, nonempty.tolist()):
-            if not ok:
-                error = self.matchers[row]._matcher.get_error()
-                raise GrammarError(f"the grammar allows no token: {error or 'it is stuck'}")
+        self._check(self._rows, nonempty)
         if len(self._rows) == len(self.matchers):
             penalty = penalties
         else:
             penalty = np.zeros((len(self.matchers), self.vocab), dtype=np.float32)
             penalty[self._rows] = penalties
-        if logits.device.type == "cpu":  # NumPy's add runs on this thread: no OpenMP team to wait for
-            return torch.from_numpy(np.add(logits.numpy(), penalty, dtype=np.float32))
-        return logits + torch.from_numpy(penalty).to(logits.device)
+        return _add(logits, penalty)
+
+    def refused(self, tokens: torch.Tensor) -> list[int]:
+        """The rows still under the grammar whose token (-1: a row that has stopped, skipped) it forbids."""
+        tokens = tokens.tolist()
+        return [row for row in self._rows if tokens[row] >= 0 and not self.matchers[row].allows(tokens[row])]
+
+    def masked(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits (len(rows), vocab), those rows' own, with their masks added, computed now on this thread.
+
+        For greedy rows the argmax of these is the argmax of the whole masked row whatever the unmasked choice
+        was; the lazy decoder only asks for rows whose unmasked choice the grammar refused."""
+        penalties, nonempty = _penalties([self.matchers[row] for row in rows], inline=True)
+        self._check(rows, nonempty)
+        return _add(logits, penalties)
+
+    def _check(self, rows: list[int], nonempty: np.ndarray):
+        for row, ok in zip(rows, nonempty.tolist()):
+            if not ok:
+                error = self.matchers[row]._matcher.get_error()
+                raise GrammarError(f"the grammar allows no token: {error or 'it is stuck'}")
 
     def accept(self, tokens: torch.Tensor):
         rows = []
@@ -122,12 +153,19 @@ class GrammarMask:
         self._rows = rows
 
 
+def _add(logits: torch.Tensor, penalty: np.ndarray) -> torch.Tensor:
+    if logits.device.type == "cpu":  # NumPy's add runs on this thread: no OpenMP team to wait for
+        return torch.from_numpy(np.add(logits.numpy(), penalty, dtype=np.float32))
+    return logits + torch.from_numpy(penalty).to(logits.device)
+
+
 def compute_ahead(masks):
-    """Start computing the next masks of these GrammarMasks' rows (other processors are left alone) on the side
+    """Start computing the next masks of these eager GrammarMasks' rows (other processors are left alone) on the side
     thread, all in one job, so they are ready when the model's next forward ends. llguidance computes them without
     the GIL, so the forward (and the Python driving it) goes on beside it; one job a step, not one a row, keeps the
     threads' handoffs to one."""
-    masks = [mask for mask in masks if isinstance(mask, GrammarMask) and mask._ahead is None and mask._rows]
+    masks = [mask for mask in masks
+             if isinstance(mask, GrammarMask) and not mask.lazy and mask._ahead is None and mask._rows]
     if not masks:
         return
     future = _MASKS.submit(_penalties, [mask.matchers[row] for mask in masks for row in mask._rows])
@@ -137,16 +175,21 @@ def compute_ahead(masks):
         start += len(mask._rows)
 
 
-def _bitmasks(matchers: list) -> np.ndarray:
+def _bitmasks(matchers: list, inline: bool = False) -> np.ndarray:
     """(n, words) int32: bit t of each row set where its matcher allows token t next (ids past the tokenizer's, up
-    to the embedding rows, never), computed by llguidance in one call."""
-    from llguidance.numpy import fill_next_token_bitmask_par
+    to the embedding rows, never), computed by llguidance in one call (inline: one row at a time on this thread,
+    for the few rows a lazy mask refuses, where handing them to llguidance's pool would cost more)."""
+    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
     vocab = matchers[0].vocab
     if any(m.vocab != vocab for m in matchers):
         raise ValueError("masks computed together must share one vocabulary")
     bits = np.zeros((len(matchers), (vocab + 31) // 32), dtype=np.int32)
-    fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], bits)
+    if inline:
+        for i, m in enumerate(matchers):
+            fill_next_token_bitmask(m._matcher, bits, i)
+    else:
+        fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], bits)
     return bits
 
 
@@ -155,11 +198,11 @@ _BYTE_PENALTIES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None]
                            np.float32(0), np.float32(-np.inf))
 
 
-def _penalties(matchers: list) -> tuple[np.ndarray, np.ndarray]:
+def _penalties(matchers: list, inline: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(n, vocab) float32 to add to the logits, 0 where a token is allowed and -inf elsewhere, and (n,) bool,
     whether a row allows any token. NumPy only (it runs beside the model's forward, whose OpenMP team a torch op
     would contend with): one lookup of 8 penalties per mask byte, so that applying it is one add, not a select."""
-    bits = _bitmasks(matchers)
+    bits = _bitmasks(matchers, inline)
     penalties = np.take(_BYTE_PENALTIES, bits.view(np.uint8), axis=0).reshape(len(matchers), -1)
     return penalties[:, :matchers[0].vocab], bits.any(axis=1)
 

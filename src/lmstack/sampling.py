@@ -56,6 +56,11 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling cuts the tempered distribution (top-k, top-p, min-p), by ranks a mask would change."""
+        return not self.greedy and bool(self.top_k or self.top_p < 1 or self.min_p)
+
     def generator(self, device) -> torch.Generator | None:
         """The random stream of one generation: seeded when asked, else from fresh entropy."""
         if self.greedy:

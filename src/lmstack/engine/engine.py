@@ -369,7 +369,7 @@ class Engine:
         eos = frozenset(self._eos_ids(eos_ids))
         decoder = Decoder.build(sampler, [prompt], self.model.vocab_size, self.model.device,
                                 presence=presence_penalty, frequency=frequency_penalty, logit_bias=logit_bias,
-                                constraint=constraint)
+                                constraint=constraint, logprobs=logprobs is not None)
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is closed")
