@@ -335,11 +335,13 @@ def report(rows, args, names, busy):
             print(f"| {clients} | {name} | {r['rate']:.1f} | {r['latency'][0]:.2f} / {r['latency'][1]:.2f} | "
                   f"{r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} | {cpu} {ratios}")
     if "lmstack chat schema" in names:
-        print("\n| clients | chat tok/s plain | with json_schema | constrained over plain |")
-        print("|---|---|---|---|")
+        print("\n| clients | chat tok/s plain | with json_schema | constrained over plain | "
+              "CPU ms/token plain / json_schema |")
+        print("|---|---|---|---|---|")
         for clients in args.clients:
-            plain, schema = rows[clients, "lmstack chat plain"]["rate"], rows[clients, "lmstack chat schema"]["rate"]
-            print(f"| {clients} | {plain:.1f} | {schema:.1f} | {schema / plain:.2f}x |")
+            plain, schema = rows[clients, "lmstack chat plain"], rows[clients, "lmstack chat schema"]
+            print(f"| {clients} | {plain['rate']:.1f} | {schema['rate']:.1f} | {schema['rate'] / plain['rate']:.2f}x | "
+                  f"{plain['cpu_ms']:.2f} / {schema['cpu_ms']:.2f} |")
     for name in names:
         if ("newcomer", name) in rows:
             r = rows["newcomer", name]
