@@ -10,7 +10,9 @@ seconds apart on the same machine. The "newcomer" row is the time to first token
 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
 this process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts, one
 plain and one with a `json_schema` response_format (a long string field, so every request still makes `--tokens`
-tokens): constrained decoding's cost at each level is their tokens/s ratio.
+tokens): constrained decoding's cost at each level is their tokens/s ratio. Greedy, those masks are lazy (a mask
+only where the unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every
+step's mask (decoding.py), so the ratio is that path's.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
 cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
@@ -69,15 +71,17 @@ STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "mi
                 "required": ["story"], "additionalProperties": False}
 
 
-def stream_one(port: int, model: str, prompt: str, tokens: int, chat: str | None = None) -> dict:
+def stream_one(port: int, model: str, prompt: str, tokens: int, chat: str | None = None, logprobs=False) -> dict:
     """One streamed completion: {latency, ttft, tokens}; chat "plain" or "schema": a chat request instead, the
-    prompt as its user message, with STORY_SCHEMA as its response_format for "schema"."""
+    prompt as its user message, with STORY_SCHEMA as its response_format for "schema" (and logprobs if asked)."""
     request = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
                "stream_options": {"include_usage": True}}
     if chat is None:
         route, request["prompt"] = "/v1/completions", prompt
     else:
         route, request["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        if logprobs:
+            request["logprobs"] = True
         if chat == "schema":
             request["response_format"] = {"type": "json_schema", "json_schema": {"name": "story",
                                                                                   "schema": STORY_SCHEMA}}
@@ -256,6 +260,7 @@ def main():
     parser.add_argument("--engine", action="store_true", help="also the in-process Engine, without HTTP")
     parser.add_argument("--constrained", action="store_true",
                         help="also lmstack chat requests, plain and with a json_schema response_format")
+    parser.add_argument("--logprobs", action="store_true", help="the --constrained requests ask for logprobs")
     parser.add_argument("--llama-server", type=Path, default=shutil.which("llama-server"))
     parser.add_argument("--file-type", help="both servers on bench/ggufs.py's file of this type (default: lmstack "
                         "on --model, llama-server on its BF16 file)")
@@ -289,7 +294,8 @@ def main():
                 port = servers["lmstack"][1]
                 for kind in ("plain", "schema"):
                     runs[f"lmstack chat {kind}"] = partial(signalling, partial(stream_one, port, args.model,
-                                                                                chat=kind), tokens=args.tokens)
+                                                                                chat=kind, logprobs=args.logprobs),
+                                                              tokens=args.tokens)
             if args.engine:
                 engine, tokenizer = in_process_engine(args)
                 runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
