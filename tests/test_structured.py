@@ -269,8 +269,10 @@ def test_prompt_lookup_under_a_grammar_gives_the_plain_constrained_tokens(model)
     lm, tokenizer = model
     constraint = compile(tokenizer, lm.vocab_size, json_schema=SCHEMAS["array minItems/maxItems"])
     ids = tokenizer.encode('{"tags":["ab","ab","ab"]} {"tags":["ab","ab"')
-    plain = lm.generate([ids], 40, constraint=constraint)
-    assert torch.equal(lm.generate([ids], 40, constraint=constraint, prompt_lookup=4), plain)
+    sampled = dict(greedy=False, temperature=0.8, seed=3)
+    for sampling in ({}, sampled, dict(sampled, top_p=0.9)):  # greedy and sampled lazily, truncated eagerly
+        plain = lm.generate([ids], 40, constraint=constraint, **sampling)
+        assert torch.equal(lm.generate([ids], 40, constraint=constraint, prompt_lookup=4, **sampling), plain)
 
 
 def test_unenforceable_or_slow_schemas_are_refused_by_name(model, monkeypatch):
