@@ -26,8 +26,11 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#pragma GCC target("gfni")
+
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -326,6 +329,40 @@ inline __m256i scales_6bit(const uint8_t* s) {
   return _mm256_zextsi128_si256(_mm256_extracti128_si256(scales_mins_6bit(s), HALF));
 }
 
+// GFNI's affine byte map as a bit mover: the matrix (one a 64-bit lane) that puts bit `from + i` of each byte at bit
+// `to + i` (i < count) and clears the others
+constexpr uint64_t move_bits(int from, int to, int count) {
+  uint64_t m = 0;
+  for (int i = 0; i < count; i++) m |= uint64_t(1) << (from + i) << 8 * (7 - (to + i));
+  return m;
+}
+// the low nibble of each byte of v (its other bits ignored) beside `high`, whose bits below 4 are ignored and above
+// the nibble's own are clear: one ternary logic op, (mask ? v : high)
+inline __m512i nibble_with(__m512i v, __m512i high) {
+  return _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(15), 0xE4);
+}
+// Q5_K's fifth bits brought to bit 4, for each register of unpack_paired: its low half's group's bit, its high half's
+struct FifthBits {
+  alignas(64) uint64_t at[4][8];
+  constexpr FifthBits() : at() {
+    for (int c = 0; c < 4; c++)
+      for (int i = 0; i < 8; i++) at[c][i] = move_bits(PAIRED_GROUPS[2 * c + i / 4], 4, 1);
+  }
+};
+constexpr FifthBits FIFTH_BITS{};
+inline __m512i lanes(const uint64_t* m) { return _mm512_load_si512(m); }
+
+// Q6_K's two high bits brought to bits 4, 5: of weights 32t + l at bits 2t, for t = 0, 1 (register 0: low half,
+// high half) and t = 2, 3 (register 1)
+struct HighBits {
+  alignas(64) uint64_t at[2][8];
+  constexpr HighBits() : at() {
+    for (int s = 0; s < 2; s++)
+      for (int i = 0; i < 8; i++) at[s][i] = move_bits(2 * (2 * s + i / 4), 4, 2);
+  }
+};
+constexpr HighBits HIGH_BITS{};
+
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
   static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0, D_AT = 80;
   static constexpr bool MINS = true, PAIRED = false;
@@ -388,14 +425,13 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
       q[c] = _mm512_mask_add_epi8(q[c], set, q[c], _mm512_set1_epi8(16));
     }
   }
-  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j
-    nibbles_paired(b + 48, q);                                // of its byte of the 32 at b + 16
-    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-    for (int c = 0; c < 4; c++) {
-      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << PAIRED_GROUPS[2 * c])),
-                                             _mm256_set1_epi8(char(1 << PAIRED_GROUPS[2 * c + 1])), 1);
-      q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(high, bit), q[c], _mm512_set1_epi8(16));
+  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j of its
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));  // byte of the 32
+    for (int h = 0; h < 2; h++) {                                                              // at b + 16
+      const __m512i v = _mm512_loadu_si512(b + 48 + 64 * h);
+      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[2 * h]), 0));
+      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4),
+                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[2 * h + 1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
@@ -408,15 +444,11 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
   static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
   static constexpr bool MINS = false, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
-    const __m512i low = _mm512_set1_epi8(15);        // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
-    const __m512i at_4 = _mm512_set1_epi8(0x30);      // brought to bits 4, 5
-    for (int h = 0; h < 2; h++) {
-      const __m512i v = _mm512_loadu_si512(b + 64 * h);
+    for (int h = 0; h < 2; h++) {                    // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
+      const __m512i v = _mm512_loadu_si512(b + 64 * h);  // brought to bits 4, 5
       const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
-      const __m512i t01 = _mm512_sllv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
-      const __m512i t23 = _mm512_srlv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1));
-      q[2 * h] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(t01, at_4));
-      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_and_si512(t23, at_4));
+      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[0]), 0));
+      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
@@ -587,7 +619,8 @@ inline __m512 dot_superblock(const DotBlock<T>& u, const int8_t* xq, float xd, c
   for (int c = 0; c < 4; c++)
     isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c)), u.pairs[c]);
   if constexpr (T::OFFSET != 0) {
-    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(u.sc, xsums), _mm256_set1_epi32(T::OFFSET));
+    static_assert((T::OFFSET & (T::OFFSET - 1)) == 0, "OFFSET is a power of two: a shift multiplies by it");
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(u.sc, xsums), std::countr_zero(uint64_t(T::OFFSET)));
     isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(offset));
   }
   if constexpr (T::MINS) {
