@@ -21,7 +21,9 @@ pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
 The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
 share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
-bench/bandwidth.py's plain read on --threads threads, the better of a reading before and one after the rows; an
+bench/bandwidth.py's plain read on --threads threads, the best of readings taken before the first row and after
+each row, so one right before and one right after every row's decode: on a VM whose bandwidth moves, or beside
+a neighbour's burst, the fastest reading is the machine's, and every reading is printed; an
 untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, the share a token chooses, beside
 what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
@@ -500,7 +502,7 @@ def main():
         hf_dir = ggufs.hf_checkpoint(files["BF16"])
 
     load_before = os.getloadavg()
-    bandwidth_before = args.bandwidth or read_bandwidth(args.threads)
+    readings = [] if args.bandwidth else [read_bandwidth(args.threads)]
     bandwidth_one = read_bandwidth(1) if args.scaling else None
     rows, records, cold = [], [], {}
     for file_type, weight_format in rows_spec:
@@ -508,9 +510,11 @@ def main():
                                        contexts, hf_dir if file_type == "BF16" else None)
         rows += measured
         records.append(record)
+        if not args.bandwidth:
+            readings.append(read_bandwidth(args.threads))
         print(f"  measured {file_type}={weight_format}", file=sys.stderr)
-    # the quieter of two readings: on a shared machine a busy core halves a 2-thread read
-    bandwidth = args.bandwidth or max(bandwidth_before, read_bandwidth(args.threads))
+    # the quietest reading: on a shared machine a busy core halves a 2-thread read
+    bandwidth = args.bandwidth or max(readings)
     if not args.no_lookup:
         rows += prompt_lookup_rows(files, args)
     if args.cold_start:
@@ -520,6 +524,7 @@ def main():
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens; median of {args.repeats}, engines "
           f"alternating, each in its own process\nllama-bench: {args.llama_bench or 'not measured'}\n"
           f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s"
+          f"{f' (best of {len(readings)} readings: ' + ', '.join(f'{r:.1f}' for r in readings) + ')' if readings else ''}"
           f"{f', 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
     print(table(rows))

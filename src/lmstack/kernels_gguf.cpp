@@ -26,8 +26,6 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#pragma GCC target("gfni")
-
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -486,6 +484,45 @@ inline void dequant_block(const uint8_t* b, float* out) {
   }
 }
 
+// the block's QK weights as dequant_block gives them, rounded to bfloat16 as store16 rounds (a prefill's GEMM
+// takes them): with 32-weight sub-blocks (Q4_K, Q5_K) each sub-block's 32 possible weights computed once, as
+// dequant_block computes them, rounded in one op and looked up by quant in one 16-bit permute; else each weight
+// computed, 32 rounded in one op
+template <class T>
+inline void dequant_block_bf16(const uint8_t* b, uint16_t* out) {
+  const Unpacked<T> u(b);
+  alignas(64) float scale[16], min[16];
+  _mm512_store_ps(scale, _mm512_mul_ps(_mm512_set1_ps(u.d), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc))));
+  _mm512_store_ps(min, _mm512_mul_ps(_mm512_set1_ps(u.dmin), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.mn))));
+  if constexpr (T::SUB == 32) {
+    const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                      _mm512_set1_ps(T::OFFSET));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m512 s = _mm512_set1_ps(scale[j]), m = _mm512_set1_ps(min[j]);
+      __m512 low = _mm512_mul_ps(s, iota), high = _mm512_mul_ps(s, _mm512_add_ps(iota, _mm512_set1_ps(16)));
+      if constexpr (T::MINS) low = _mm512_sub_ps(low, m), high = _mm512_sub_ps(high, m);
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+      const __m256i q = j % 2 ? _mm512_extracti64x4_epi64(u.q[j / 2], 1) : _mm512_castsi512_si256(u.q[j / 2]);
+      _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
+    }
+  } else {
+    alignas(64) uint8_t bytes[256];
+    for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+#pragma GCC unroll 8
+    for (int g = 0; g < T::QK; g += 32) {
+      __m512 w[2];
+      for (int h = 0; h < 2; h++) {
+        const int i = g + 16 * h, j = i / T::SUB;
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
+        w[h] = _mm512_mul_ps(_mm512_set1_ps(scale[j]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET))));
+        if constexpr (T::MINS) w[h] = _mm512_sub_ps(w[h], _mm512_set1_ps(min[j]));
+      }
+      _mm512_storeu_si512(out + g, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    }
+  }
+}
+
 // the 32-weight group of a block that position p (weights 32p..32p+31 of its registers) of the dot products holds
 template <class T>
 constexpr int group_at(int p) { return T::PAIRED ? PAIRED_GROUPS[p] : p; }
@@ -893,12 +930,13 @@ void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t 
 template <class T>
 void whole_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out, bool bf16,
                int64_t at) {
-  alignas(64) float v[T::QK];
   const uint8_t* block = wp + ((n / TILE) * KB + b0) * R + (n % TILE) * T::BYTES;
   for (int64_t b = b0; b < b1; b++, block += R) {
-    dequant_block<T>(block, v);
-    for (int64_t j = 0; j < T::QK; j += 16)
-      lmstack::store16(out, bf16, at + (b - b0) * T::QK + j, _mm512_load_ps(v + j));
+    const int64_t to = at + (b - b0) * T::QK;
+    if (bf16)
+      dequant_block_bf16<T>(block, static_cast<uint16_t*>(out) + to);
+    else
+      dequant_block<T>(block, static_cast<float*>(out) + to);
   }
 }
 
