@@ -21,9 +21,10 @@ pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
 The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
 share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
-bench/bandwidth.py's plain read on --threads threads, the best of readings taken before the first row and after
-each row, so one right before and one right after every row's decode: on a VM whose bandwidth moves, or beside
-a neighbour's burst, the fastest reading is the machine's, and every reading is printed; an
+bench/bandwidth.py's plain read on --threads threads, read between the row's decodes: before each turn of the
+engines, after the last and after llama-bench, the best of those readings (a VM's bandwidth moves by 2x within
+minutes here, so a reading far from the row's decode says little about it; a neighbour's burst only slows a
+reading); an
 untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, the share a token chooses, beside
 what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
@@ -228,12 +229,17 @@ def build(spec: dict):
     return engine
 
 
-def alternating(workers: dict, op, repeats, **arguments) -> dict:
-    """The median of each worker's answers, the workers taking turns (A B, B A, ...) so drift hits all alike."""
+def alternating(workers: dict, op, repeats, between=None, **arguments) -> dict:
+    """The median of each worker's answers, the workers taking turns (A B, B A, ...) so drift hits all alike;
+    between() called before each turn and after the last."""
     answers = {name: [] for name in workers}
     for i in range(repeats):
+        if between:
+            between()
         for name in (list(workers) if i % 2 == 0 else list(workers)[::-1]):
             answers[name].append(workers[name](op, **arguments))
+    if between:
+        between()
     return {name: statistics.median(values) for name, values in answers.items()}
 
 
@@ -275,8 +281,11 @@ class Memory:
     dense_bytes: int  # what a dense model of the file's total size reads a token (a mixture reads its chosen experts)
     speed: dict
     rss: dict
+    readings: list  # GB/s of the plain reads between the row's decodes
 
-    def cells(self, bandwidth: float):
+    def cells(self):
+        bandwidth = max(self.readings)
+
         def share(engine):
             rate = self.speed.get(engine)
             return "-" if rate is None else f"{self.bytes_per_token * rate / (bandwidth * 1e9):.0%}"
@@ -284,15 +293,16 @@ class Memory:
         def mb(engine):
             return "-" if self.rss.get(engine) is None else f"{self.rss[engine]:.0f}"
         engines = ("lmstack", "llama.cpp", "llama-bench")
-        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", f"{self.dense_bytes / 1e6:.0f}", *map(share, engines),
-                *map(mb, engines)]
+        readings = f"{bandwidth:.1f} ({', '.join(f'{r:.0f}' for r in self.readings)})"
+        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", f"{self.dense_bytes / 1e6:.0f}", readings,
+                *map(share, engines), *map(mb, engines)]
 
 
-def memory_table(records, bandwidth: float) -> str:
-    lines = ["| decode | MB read a token | a dense model of its size | lmstack's share of bandwidth | llama.cpp's | "
-             "llama-bench's | lmstack peak RSS MB | llama.cpp's | llama-bench's |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    return "\n".join(lines + ["| " + " | ".join(r.cells(bandwidth)) + " |" for r in records])
+def memory_table(records) -> str:
+    lines = ["| decode | MB read a token | a dense model of its size | plain read GB/s, best (all) | lmstack's share "
+             "of bandwidth | llama.cpp's | llama-bench's | lmstack peak RSS MB | llama.cpp's | llama-bench's |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    return "\n".join(lines + ["| " + " | ".join(r.cells()) + " |" for r in records])
 
 
 def prompt_lookup_rows(files, args) -> list:
@@ -363,14 +373,18 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
     try:
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
-        decode = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
+        readings = [args.bandwidth] if args.bandwidth else []
+        read = None if args.bandwidth else lambda: readings.append(read_bandwidth(args.threads))
+        decode = alternating(workers, "decode", args.repeats, between=read, prompt=prompt, tokens=args.new_tokens)
         rows = [row("decode, tok/s", decode)]
         memory = Memory(label, ggufs.bytes_per_token(path), ggufs.bytes_per_token(path, dense=True),
-                        {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {})
+                        {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {}, readings)
         if args.llama_bench:
             rows[0].llama_bench, memory.rss["llama-bench"] = llama_bench(args.llama_bench, path, args.threads,
                                                                          args.new_tokens, args.repeats)
             memory.speed["llama-bench"] = rows[0].llama_bench
+            if read:
+                read()
         rows += [row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
                                                                        prompt=long_prompt))]
         memory.rss.update({name: workers[name]("peak_rss") for name in ("lmstack", "llama.cpp") if name in workers})
@@ -502,7 +516,6 @@ def main():
         hf_dir = ggufs.hf_checkpoint(files["BF16"])
 
     load_before = os.getloadavg()
-    readings = [] if args.bandwidth else [read_bandwidth(args.threads)]
     bandwidth_one = read_bandwidth(1) if args.scaling else None
     rows, records, cold = [], [], {}
     for file_type, weight_format in rows_spec:
@@ -510,11 +523,7 @@ def main():
                                        contexts, hf_dir if file_type == "BF16" else None)
         rows += measured
         records.append(record)
-        if not args.bandwidth:
-            readings.append(read_bandwidth(args.threads))
         print(f"  measured {file_type}={weight_format}", file=sys.stderr)
-    # the quietest reading: on a shared machine a busy core halves a 2-thread read
-    bandwidth = args.bandwidth or max(readings)
     if not args.no_lookup:
         rows += prompt_lookup_rows(files, args)
     if args.cold_start:
@@ -523,13 +532,12 @@ def main():
     print(f"model: {args.model or 'smollm2'}; files: {files[rows_spec[0][0]].parent}\n{args.threads} threads, batch 1, "
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens; median of {args.repeats}, engines "
           f"alternating, each in its own process\nllama-bench: {args.llama_bench or 'not measured'}\n"
-          f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s"
-          f"{f' (best of {len(readings)} readings: ' + ', '.join(f'{r:.1f}' for r in readings) + ')' if readings else ''}"
-          f"{f', 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
+          f"plain {args.threads}-thread read: per row, in the second table"
+          f"{f'; 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
     print(table(rows))
     print()
-    print(memory_table(records, bandwidth))
+    print(memory_table(records))
     if cold:
         print()
         print(cold_start_table(cold))
