@@ -561,14 +561,13 @@ struct DotBlock {
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_permutexvar_epi16(index[c], _mm512_castsi256_si512(sc));
     scale = float_scales(b);
   }
-  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`
-  DotBlock(const uint8_t* b, __m512i decoded) : sc(_mm256_setzero_si256()) {
+  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`, and `scale`
+  DotBlock(const uint8_t* b, __m512i decoded, __m512 scale) : sc(_mm256_setzero_si256()), scale(scale) {
     T::unpack_paired(b, q);
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_shuffle_epi8(decoded, _mm512_load_si512(PAIR_SUB_BLOCKS<T>.bytes[c]));
     const __m512i mins = _mm512_broadcast_i32x4(
         _mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
     mn = _mm512_castsi512_si256(_mm512_shuffle_epi8(decoded, mins));
-    scale = float_scales(b);
   }
   static __m512 float_scales(const uint8_t* b) {
     if constexpr (T::MINS) {  // dmin follows d
@@ -580,6 +579,20 @@ struct DotBlock {
       return _mm512_set1_ps(T::d(b));
     }
   }
+  // float_scales of four blocks (b, b + stride, ...) converted at once: block r's d in lane 2r, -dmin in 2r + 1
+  static __m512 float_scales_of_four(const uint8_t* b, int64_t stride) {
+    static_assert(T::MINS);
+    const __m128i halves = _mm_setr_epi32(int(u32_at(b + T::D_AT)), int(u32_at(b + stride + T::D_AT)),
+                                          int(u32_at(b + 2 * stride + T::D_AT)), int(u32_at(b + 3 * stride + T::D_AT)));
+    const __m256 both = _mm256_cvtph_ps(halves);
+    return _mm512_castps256_ps512(_mm256_mask_sub_ps(both, 0xAA, _mm256_setzero_ps(), both));
+  }
+  // block r's float_scales from float_scales_of_four
+  static __m512 float_scales_of(__m512 four, int r) {
+    const __m512i lanes = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                           _mm512_set1_epi32(2 * r));
+    return _mm512_permutexvar_ps(lanes, four);
+  }
 };
 
 // f(r, DotBlock) for the TILE rows' blocks of one record (Q4_K, Q5_K: the scales and mins of four at once)
@@ -588,10 +601,12 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
   if constexpr (T::PAIRED) {
     for (int g = 0; g < TILE; g += 4) {
       const __m512i decoded = scales_mins_6bit(rec + g * T::BYTES + T::SCALES_AT, T::BYTES);
+      const __m512 scales = DotBlock<T>::float_scales_of_four(rec + g * T::BYTES, T::BYTES);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; r++) {
         const __m512i lane = _mm512_add_epi64(_mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0), _mm512_set1_epi64(2 * r));
-        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded)));
+        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded),
+                             DotBlock<T>::float_scales_of(scales, r)));
       }
     }
   } else {
