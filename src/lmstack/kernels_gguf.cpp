@@ -339,15 +339,16 @@ constexpr uint64_t move_bits(int from, int to, int count) {
 inline __m512i nibble_with(__m512i v, __m512i high) {
   return _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(15), 0xE4);
 }
-// Q5_K's fifth bits brought to bit 4, for each register of unpack_paired: its low half's group's bit, its high half's
+// Q5_K's fifth bits brought to bit 4, for each register of unpack (paired: of unpack_paired): its low half's
+// group's bit, its high half's
 struct FifthBits {
   alignas(64) uint64_t at[4][8];
-  constexpr FifthBits() : at() {
+  constexpr FifthBits(bool paired) : at() {
     for (int c = 0; c < 4; c++)
-      for (int i = 0; i < 8; i++) at[c][i] = move_bits(PAIRED_GROUPS[2 * c + i / 4], 4, 1);
+      for (int i = 0; i < 8; i++) at[c][i] = move_bits(paired ? PAIRED_GROUPS[2 * c + i / 4] : 2 * c + i / 4, 4, 1);
   }
 };
-constexpr FifthBits FIFTH_BITS{};
+constexpr FifthBits FIFTH_BITS{false}, FIFTH_BITS_PAIRED{true};
 inline __m512i lanes(const uint64_t* m) { return _mm512_load_si512(m); }
 
 // Q6_K's two high bits brought to bits 4, 5: of weights 32t + l at bits 2t, for t = 0, 1 (register 0: low half,
@@ -414,22 +415,18 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
   static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
   static constexpr bool MINS = true, PAIRED = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
-    nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32, as 16 added where it is set
-    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
-    for (int c = 0; c < 4; c++) {
-      const __mmask64 set = _mm512_test_epi8_mask(_mm512_srli_epi16(high, 2 * c), bit);
-      q[c] = _mm512_mask_add_epi8(q[c], set, q[c], _mm512_set1_epi8(16));
-    }
+    nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
+    for (int c = 0; c < 4; c++)
+      q[c] = _mm512_or_si512(q[c], _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[c]), 0));
   }
   static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j of its
     const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));  // byte of the 32
     for (int h = 0; h < 2; h++) {                                                              // at b + 16
       const __m512i v = _mm512_loadu_si512(b + 48 + 64 * h);
-      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[2 * h]), 0));
+      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h]), 0));
       q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4),
-                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[2 * h + 1]), 0));
+                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h + 1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
