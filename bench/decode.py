@@ -21,7 +21,10 @@ pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
 The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
 share of the machine's read bandwidth (the file's tensor bytes read per token x tokens/s / the GB/s of
-bench/bandwidth.py's plain read on --threads threads, the better of a reading before and one after the rows; an
+bench/bandwidth.py's plain read on --threads threads, read right before and right after every decode (each
+engine's turn, llama-bench's run): each decode's share is against the better of the two readings beside it, and
+an engine's share is the median of its decodes' (this VM's read moves by 2x within a minute, in phases of
+seconds, so one reading before and one after a whole run say little about a row in between); an
 untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, the share a token chooses, beside
 what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
@@ -226,13 +229,35 @@ def build(spec: dict):
     return engine
 
 
-def alternating(workers: dict, op, repeats, **arguments) -> dict:
-    """The median of each worker's answers, the workers taking turns (A B, B A, ...) so drift hits all alike."""
+def alternating(workers: dict, op, repeats, after=None, **arguments) -> dict:
+    """The median of each worker's answers, the workers taking turns (A B, B A, ...) so drift hits all alike;
+    after(name, answer) called once each answer is in (decode: a plain read beside it, Bandwidth.note)."""
     answers = {name: [] for name in workers}
     for i in range(repeats):
         for name in (list(workers) if i % 2 == 0 else list(workers)[::-1]):
             answers[name].append(workers[name](op, **arguments))
+            if after:
+                after(name, answers[name][-1])
     return {name: statistics.median(values) for name, values in answers.items()}
+
+
+class Bandwidth:
+    """Plain reads (bench/bandwidth.py) beside a row's decodes: note(engine, rate) reads again, and the decode's
+    share is of the better of that reading and the one before it (the first taken at construction); share(engine)
+    is the median of the engine's. --bandwidth: a fixed GB/s instead."""
+
+    def __init__(self, bytes_per_token: int, threads: int, fixed: float | None):
+        self.bytes_per_token, self.threads, self.fixed = bytes_per_token, threads, fixed
+        self.readings = [fixed or read_bandwidth(threads)]
+        self.shares = {}
+
+    def note(self, engine: str, rate: float):
+        self.readings.append(self.fixed or read_bandwidth(self.threads))
+        share = self.bytes_per_token * rate / (max(self.readings[-2:]) * 1e9)
+        self.shares.setdefault(engine, []).append(share)
+
+    def share(self, engine: str) -> float | None:
+        return statistics.median(self.shares[engine]) if engine in self.shares else None
 
 
 # ---- the tables ------------------------------------------------------------------------------------------
@@ -271,26 +296,27 @@ class Memory:
     name: str
     bytes_per_token: int
     dense_bytes: int  # what a dense model of the file's total size reads a token (a mixture reads its chosen experts)
-    speed: dict
+    share: dict  # of the bandwidth read beside each decode, per engine (Bandwidth)
     rss: dict
+    readings: list  # GB/s
 
-    def cells(self, bandwidth: float):
+    def cells(self):
         def share(engine):
-            rate = self.speed.get(engine)
-            return "-" if rate is None else f"{self.bytes_per_token * rate / (bandwidth * 1e9):.0%}"
+            return "-" if self.share.get(engine) is None else f"{self.share[engine]:.0%}"
 
         def mb(engine):
             return "-" if self.rss.get(engine) is None else f"{self.rss[engine]:.0f}"
         engines = ("lmstack", "llama.cpp", "llama-bench")
-        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", f"{self.dense_bytes / 1e6:.0f}", *map(share, engines),
-                *map(mb, engines)]
+        readings = f"{min(self.readings):.0f}-{max(self.readings):.0f}"
+        return [self.name, f"{self.bytes_per_token / 1e6:.0f}", f"{self.dense_bytes / 1e6:.0f}", readings,
+                *map(share, engines), *map(mb, engines)]
 
 
-def memory_table(records, bandwidth: float) -> str:
-    lines = ["| decode | MB read a token | a dense model of its size | lmstack's share of bandwidth | llama.cpp's | "
-             "llama-bench's | lmstack peak RSS MB | llama.cpp's | llama-bench's |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    return "\n".join(lines + ["| " + " | ".join(r.cells(bandwidth)) + " |" for r in records])
+def memory_table(records) -> str:
+    lines = ["| decode | MB read a token | a dense model of its size | plain reads GB/s | lmstack's share "
+             "of bandwidth | llama.cpp's | llama-bench's | lmstack peak RSS MB | llama.cpp's | llama-bench's |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    return "\n".join(lines + ["| " + " | ".join(r.cells()) + " |" for r in records])
 
 
 def prompt_lookup_rows(files, args) -> list:
@@ -361,14 +387,17 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
     try:
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
-        decode = alternating(workers, "decode", args.repeats, prompt=prompt, tokens=args.new_tokens)
+        bandwidth = Bandwidth(ggufs.bytes_per_token(path), args.threads, args.bandwidth)
+        decode = alternating(workers, "decode", args.repeats, after=bandwidth.note, prompt=prompt,
+                             tokens=args.new_tokens)
         rows = [row("decode, tok/s", decode)]
-        memory = Memory(label, ggufs.bytes_per_token(path), ggufs.bytes_per_token(path, dense=True),
-                        {k: decode.get(k) for k in ("lmstack", "llama.cpp")}, {})
+        memory = Memory(label, bandwidth.bytes_per_token, ggufs.bytes_per_token(path, dense=True), {}, {},
+                        bandwidth.readings)
         if args.llama_bench:
             rows[0].llama_bench, memory.rss["llama-bench"] = llama_bench(args.llama_bench, path, args.threads,
                                                                          args.new_tokens, args.repeats)
-            memory.speed["llama-bench"] = rows[0].llama_bench
+            bandwidth.note("llama-bench", rows[0].llama_bench)
+        memory.share = {name: bandwidth.share(name) for name in ("lmstack", "llama.cpp", "llama-bench")}
         rows += [row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
                                                                        prompt=long_prompt))]
         memory.rss.update({name: workers[name]("peak_rss") for name in ("lmstack", "llama.cpp") if name in workers})
@@ -500,7 +529,6 @@ def main():
         hf_dir = ggufs.hf_checkpoint(files["BF16"])
 
     load_before = os.getloadavg()
-    bandwidth_before = args.bandwidth or read_bandwidth(args.threads)
     bandwidth_one = read_bandwidth(1) if args.scaling else None
     rows, records, cold = [], [], {}
     for file_type, weight_format in rows_spec:
@@ -509,8 +537,6 @@ def main():
         rows += measured
         records.append(record)
         print(f"  measured {file_type}={weight_format}", file=sys.stderr)
-    # the quieter of two readings: on a shared machine a busy core halves a 2-thread read
-    bandwidth = args.bandwidth or max(bandwidth_before, read_bandwidth(args.threads))
     if not args.no_lookup:
         rows += prompt_lookup_rows(files, args)
     if args.cold_start:
@@ -519,12 +545,12 @@ def main():
     print(f"model: {args.model or 'smollm2'}; files: {files[rows_spec[0][0]].parent}\n{args.threads} threads, batch 1, "
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens; median of {args.repeats}, engines "
           f"alternating, each in its own process\nllama-bench: {args.llama_bench or 'not measured'}\n"
-          f"plain {args.threads}-thread read: {bandwidth:.1f} GB/s"
-          f"{f', 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
+          f"plain {args.threads}-thread read: per row, in the second table"
+          f"{f'; 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
     print(table(rows))
     print()
-    print(memory_table(records, bandwidth))
+    print(memory_table(records))
     if cold:
         print()
         print(cold_start_table(cold))

@@ -33,12 +33,12 @@ NAME = "lmstack_kernels"
 STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
-         "-mfma", "-fopenmp"]
+         "-mfma", "-mgfni", "-fopenmp"]
 SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp",
            "kernels_pack.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
-CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma"}
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma", "gfni"}
 
 
 def cpu_flags() -> set[str]:

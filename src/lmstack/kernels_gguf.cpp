@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -326,6 +327,41 @@ inline __m256i scales_6bit(const uint8_t* s) {
   return _mm256_zextsi128_si256(_mm256_extracti128_si256(scales_mins_6bit(s), HALF));
 }
 
+// GFNI's affine byte map as a bit mover: the matrix (one a 64-bit lane) that puts bit `from + i` of each byte at bit
+// `to + i` (i < count) and clears the others
+constexpr uint64_t move_bits(int from, int to, int count) {
+  uint64_t m = 0;
+  for (int i = 0; i < count; i++) m |= uint64_t(1) << (from + i) << 8 * (7 - (to + i));
+  return m;
+}
+// the low nibble of each byte of v (its other bits ignored) beside `high`, whose bits below 4 are ignored and above
+// the nibble's own are clear: one ternary logic op, (mask ? v : high)
+inline __m512i nibble_with(__m512i v, __m512i high) {
+  return _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(15), 0xE4);
+}
+// Q5_K's fifth bits brought to bit 4, for each register of unpack (paired: of unpack_paired): its low half's
+// group's bit, its high half's
+struct FifthBits {
+  alignas(64) uint64_t at[4][8];
+  constexpr FifthBits(bool paired) : at() {
+    for (int c = 0; c < 4; c++)
+      for (int i = 0; i < 8; i++) at[c][i] = move_bits(paired ? PAIRED_GROUPS[2 * c + i / 4] : 2 * c + i / 4, 4, 1);
+  }
+};
+constexpr FifthBits FIFTH_BITS{false}, FIFTH_BITS_PAIRED{true};
+inline __m512i lanes(const uint64_t* m) { return _mm512_load_si512(m); }
+
+// Q6_K's two high bits brought to bits 4, 5: of weights 32t + l at bits 2t, for t = 0, 1 (register 0: low half,
+// high half) and t = 2, 3 (register 1)
+struct HighBits {
+  alignas(64) uint64_t at[2][8];
+  constexpr HighBits() : at() {
+    for (int s = 0; s < 2; s++)
+      for (int i = 0; i < 8; i++) at[s][i] = move_bits(2 * (2 * s + i / 4), 4, 2);
+  }
+};
+constexpr HighBits HIGH_BITS{};
+
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
   static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0, D_AT = 80;
   static constexpr bool MINS = true, PAIRED = false;
@@ -379,23 +415,18 @@ struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte
   static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
   static constexpr bool MINS = true, PAIRED = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
-    nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32, as 16 added where it is set
-    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
-    for (int c = 0; c < 4; c++) {
-      const __mmask64 set = _mm512_test_epi8_mask(_mm512_srli_epi16(high, 2 * c), bit);
-      q[c] = _mm512_mask_add_epi8(q[c], set, q[c], _mm512_set1_epi8(16));
-    }
+    nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
+    for (int c = 0; c < 4; c++)
+      q[c] = _mm512_or_si512(q[c], _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[c]), 0));
   }
-  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j
-    nibbles_paired(b + 48, q);                                // of its byte of the 32 at b + 16
-    const __m256i h = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-    for (int c = 0; c < 4; c++) {
-      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << PAIRED_GROUPS[2 * c])),
-                                             _mm256_set1_epi8(char(1 << PAIRED_GROUPS[2 * c + 1])), 1);
-      q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(high, bit), q[c], _mm512_set1_epi8(16));
+  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j of its
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));  // byte of the 32
+    for (int h = 0; h < 2; h++) {                                                              // at b + 16
+      const __m512i v = _mm512_loadu_si512(b + 48 + 64 * h);
+      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h]), 0));
+      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4),
+                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h + 1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
@@ -408,15 +439,11 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
   static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
   static constexpr bool MINS = false, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
-    const __m512i low = _mm512_set1_epi8(15);        // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
-    const __m512i at_4 = _mm512_set1_epi8(0x30);      // brought to bits 4, 5
-    for (int h = 0; h < 2; h++) {
-      const __m512i v = _mm512_loadu_si512(b + 64 * h);
+    for (int h = 0; h < 2; h++) {                    // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
+      const __m512i v = _mm512_loadu_si512(b + 64 * h);  // brought to bits 4, 5
       const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
-      const __m512i t01 = _mm512_sllv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
-      const __m512i t23 = _mm512_srlv_epi16(high, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1));
-      q[2 * h] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(t01, at_4));
-      q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_and_si512(t23, at_4));
+      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[0]), 0));
+      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
@@ -451,6 +478,45 @@ inline void dequant_block(const uint8_t* b, float* out) {
     __m512 w = _mm512_mul_ps(_mm512_set1_ps(u.d * float(sc[j])), v);
     if constexpr (T::MINS) w = _mm512_sub_ps(w, _mm512_set1_ps(u.dmin * float(mn[j])));
     _mm512_storeu_ps(out + 16 * g, w);
+  }
+}
+
+// the block's QK weights as dequant_block gives them, rounded to bfloat16 as store16 rounds (a prefill's GEMM
+// takes them): with 32-weight sub-blocks (Q4_K, Q5_K) each sub-block's 32 possible weights computed once, as
+// dequant_block computes them, rounded in one op and looked up by quant in one 16-bit permute; else each weight
+// computed, 32 rounded in one op
+template <class T>
+inline void dequant_block_bf16(const uint8_t* b, uint16_t* out) {
+  const Unpacked<T> u(b);
+  alignas(64) float scale[16], min[16];
+  _mm512_store_ps(scale, _mm512_mul_ps(_mm512_set1_ps(u.d), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc))));
+  _mm512_store_ps(min, _mm512_mul_ps(_mm512_set1_ps(u.dmin), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.mn))));
+  if constexpr (T::SUB == 32) {
+    const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                      _mm512_set1_ps(T::OFFSET));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m512 s = _mm512_set1_ps(scale[j]), m = _mm512_set1_ps(min[j]);
+      __m512 low = _mm512_mul_ps(s, iota), high = _mm512_mul_ps(s, _mm512_add_ps(iota, _mm512_set1_ps(16)));
+      if constexpr (T::MINS) low = _mm512_sub_ps(low, m), high = _mm512_sub_ps(high, m);
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+      const __m256i q = j % 2 ? _mm512_extracti64x4_epi64(u.q[j / 2], 1) : _mm512_castsi512_si256(u.q[j / 2]);
+      _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
+    }
+  } else {
+    alignas(64) uint8_t bytes[256];
+    for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
+#pragma GCC unroll 8
+    for (int g = 0; g < T::QK; g += 32) {
+      __m512 w[2];
+      for (int h = 0; h < 2; h++) {
+        const int i = g + 16 * h, j = i / T::SUB;
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
+        w[h] = _mm512_mul_ps(_mm512_set1_ps(scale[j]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET))));
+        if constexpr (T::MINS) w[h] = _mm512_sub_ps(w[h], _mm512_set1_ps(min[j]));
+      }
+      _mm512_storeu_si512(out + g, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    }
   }
 }
 
@@ -492,14 +558,13 @@ struct DotBlock {
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_permutexvar_epi16(index[c], _mm512_castsi256_si512(sc));
     scale = float_scales(b);
   }
-  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`
-  DotBlock(const uint8_t* b, __m512i decoded) : sc(_mm256_setzero_si256()) {
+  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`, and `scale`
+  DotBlock(const uint8_t* b, __m512i decoded, __m512 scale) : sc(_mm256_setzero_si256()), scale(scale) {
     T::unpack_paired(b, q);
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_shuffle_epi8(decoded, _mm512_load_si512(PAIR_SUB_BLOCKS<T>.bytes[c]));
     const __m512i mins = _mm512_broadcast_i32x4(
         _mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
     mn = _mm512_castsi512_si256(_mm512_shuffle_epi8(decoded, mins));
-    scale = float_scales(b);
   }
   static __m512 float_scales(const uint8_t* b) {
     if constexpr (T::MINS) {  // dmin follows d
@@ -511,6 +576,20 @@ struct DotBlock {
       return _mm512_set1_ps(T::d(b));
     }
   }
+  // float_scales of four blocks (b, b + stride, ...) converted at once: block r's d in lane 2r, -dmin in 2r + 1
+  static __m512 float_scales_of_four(const uint8_t* b, int64_t stride) {
+    static_assert(T::MINS);
+    const __m128i halves = _mm_setr_epi32(int(u32_at(b + T::D_AT)), int(u32_at(b + stride + T::D_AT)),
+                                          int(u32_at(b + 2 * stride + T::D_AT)), int(u32_at(b + 3 * stride + T::D_AT)));
+    const __m256 both = _mm256_cvtph_ps(halves);
+    return _mm512_castps256_ps512(_mm256_mask_sub_ps(both, 0xAA, _mm256_setzero_ps(), both));
+  }
+  // block r's float_scales from float_scales_of_four
+  static __m512 float_scales_of(__m512 four, int r) {
+    const __m512i lanes = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                           _mm512_set1_epi32(2 * r));
+    return _mm512_permutexvar_ps(lanes, four);
+  }
 };
 
 // f(r, DotBlock) for the TILE rows' blocks of one record (Q4_K, Q5_K: the scales and mins of four at once)
@@ -519,10 +598,12 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
   if constexpr (T::PAIRED) {
     for (int g = 0; g < TILE; g += 4) {
       const __m512i decoded = scales_mins_6bit(rec + g * T::BYTES + T::SCALES_AT, T::BYTES);
+      const __m512 scales = DotBlock<T>::float_scales_of_four(rec + g * T::BYTES, T::BYTES);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; r++) {
         const __m512i lane = _mm512_add_epi64(_mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0), _mm512_set1_epi64(2 * r));
-        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded)));
+        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded),
+                             DotBlock<T>::float_scales_of(scales, r)));
       }
     }
   } else {
@@ -587,7 +668,8 @@ inline __m512 dot_superblock(const DotBlock<T>& u, const int8_t* xq, float xd, c
   for (int c = 0; c < 4; c++)
     isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(xq + 64 * c)), u.pairs[c]);
   if constexpr (T::OFFSET != 0) {
-    const __m256i offset = _mm256_mullo_epi32(_mm256_madd_epi16(u.sc, xsums), _mm256_set1_epi32(T::OFFSET));
+    static_assert((T::OFFSET & (T::OFFSET - 1)) == 0, "OFFSET is a power of two: a shift multiplies by it");
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(u.sc, xsums), std::countr_zero(uint64_t(T::OFFSET)));
     isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(offset));
   }
   if constexpr (T::MINS) {
@@ -860,12 +942,13 @@ void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t 
 template <class T>
 void whole_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out, bool bf16,
                int64_t at) {
-  alignas(64) float v[T::QK];
   const uint8_t* block = wp + ((n / TILE) * KB + b0) * R + (n % TILE) * T::BYTES;
   for (int64_t b = b0; b < b1; b++, block += R) {
-    dequant_block<T>(block, v);
-    for (int64_t j = 0; j < T::QK; j += 16)
-      lmstack::store16(out, bf16, at + (b - b0) * T::QK + j, _mm512_load_ps(v + j));
+    const int64_t to = at + (b - b0) * T::QK;
+    if (bf16)
+      dequant_block_bf16<T>(block, static_cast<uint16_t*>(out) + to);
+    else
+      dequant_block<T>(block, static_cast<float*>(out) + to);
   }
 }
 
