@@ -119,65 +119,86 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
 
 // ---- bfloat16 activations: x quantized per block to int8, integer dot products -----------------
 
-struct XBlocks {  // one row of x: KB blocks of 32 int8, their scales and sums
+// Rows of x quantized by blocks of 32 as llama.cpp's quantize_row_q8_0 does, with float32 scales: q = round(x / d),
+// d = amax / 127. Block-major (block b of row m at q[(b * M + m) * 32], its terms at [b * M + m]), so that the rows
+// of a pass lie at fixed distances from one pointer. Per block, besides d: the term of the weights' zero point z,
+// -z * sum(q) (Q8_0, Q4_0, Q5_0), or the factor of their offset m, d * sum(q) (Q4_1, Q5_1).
+struct XBlocks {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> zero;
+  std::vector<float> offset;
 };
 
-// x's row quantized as llama.cpp's quantize_row_q8_0, with a float32 scale: q = round(x / d), d = amax / 127
-void quantize_row(const c10::BFloat16* x, int64_t KB, int8_t* q, float* d, int32_t* sum) {
-  for (int64_t b = 0; b < KB; b++) {
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32))), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32 + 16))), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    d[b] = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
-    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    _mm_storeu_si128((__m128i*)(q + b * 32), _mm512_cvtsepi32_epi8(ql));
-    _mm_storeu_si128((__m128i*)(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
-    sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-  }
+inline __m512 widened(const c10::BFloat16* p) {  // 16 bfloat16 values as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// dot products of MR quantized rows of x (row stride K = KB * 32) with the 16 rows of one tile: each block of
+template <int64_t T>
+XBlocks quantize_rows(const c10::BFloat16* x, int64_t M, int64_t KB) {
+  XBlocks xb;
+  xb.q.resize(M * KB * 32), xb.d.resize(M * KB);
+  if constexpr (has_offset(T))
+    xb.offset.resize(M * KB);
+  else
+    xb.zero.resize(M * KB);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < KB; b++) {
+      const c10::BFloat16* xp = x + (m * KB + b) * 32;
+      const int64_t at = b * M + m;
+      const __m512 lo = widened(xp), hi = widened(xp + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
+      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128((__m128i*)(xb.q.data() + at * 32), _mm512_cvtsepi32_epi8(ql));
+      _mm_storeu_si128((__m128i*)(xb.q.data() + at * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+      xb.d[at] = d;
+      if constexpr (has_offset(T))
+        xb.offset[at] = d * float(sum);
+      else
+        xb.zero[at] = -zero_point(T) * sum;
+    }
+  return xb;
+}
+
+// acc + the dot products of 4-byte groups: w's unsigned bytes times x's 4 int8, broadcast from memory (one
+// instruction: compilers load and broadcast apart)
+inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t*)x), "v"(w));
+  return acc;
+}
+
+// dot products of MR rows m0.. of quantized x (M rows, KB blocks) with the 16 rows of one tile: each block of
 // weights is unpacked once for the MR rows, and one VNNI dot product multiplies 4 columns of x with 4 columns of
-// the 16 rows. Per row of x and block the same steps whatever MR is: the block's integer sum (exact, in any order),
-// converted once, times d * d_x, added in block order (row i's sums in out[i]). One pass over the tile prefetches
-// PREFETCH bytes ahead of each record; one of several passes steps `ahead` (the next tile's prefetch) once a record.
+// the 16 rows. Per row of x and block the same steps whatever MR is: the block's integer sum, converted once,
+// times d * d_x, added in block order (row i's sums in out[i]). One pass over the tile prefetches PREFETCH bytes
+// ahead of each record; one of several passes steps `ahead` (the next tile's prefetch) once a record.
 template <int64_t T, int MR>
-void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
+void dot_q8_tile(const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, int64_t KB,
                  float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
   constexpr int64_t R = record_bytes(T);
-  const int64_t K = KB * 32;
   __m512 acc[MR];
   for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < KB; b++, rec += R) {
+  const int8_t* xq = x.q.data() + m0 * 32;
+  const float* xd = x.d.data() + m0;
+  const int32_t* zero = has_offset(T) ? nullptr : x.zero.data() + m0;
+  const float* offset = has_offset(T) ? x.offset.data() + m0 : nullptr;
+  for (int64_t b = 0; b < KB; b++, rec += R, xq += M * 32, xd += M) {
     if (ahead)
       ahead->step();
     else
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-    const __m512 d = scales16(rec);
+    const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
     __m512i w[8];
     unpack_weights<T>(rec, w);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-      const int8_t* xb = xq + i * K + b * 32;
-      const int32_t sum = xs[i * KB + b];
-      // the zero point as -z * sum(x_q); the offset m (Q4_1, Q5_1) is added apart, times d_x * sum(x_q)
-      __m512i even = has_offset(T) ? _mm512_setzero_si512() : _mm512_set1_epi32(-zero_point(T) * sum);
-      __m512i odd = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
-        even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(int(u32_at((const uint8_t*)xb + 4 * g))));
-        odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(int(u32_at((const uint8_t*)xb + 4 * g + 4))));
-      }
-      const float dx = xd[i * KB + b];
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
-      if constexpr (has_offset(T))
-        acc[i] = _mm512_fmadd_ps(scales16(rec + offsets_at), _mm512_set1_ps(dx * float(sum)), acc[i]);
+      __m512i dot = has_offset(T) ? _mm512_setzero_si512() : _mm512_set1_epi32(zero[b * M + i]);
+      for (int g = 0; g < 8; g++) dot = dot_broadcast(dot, w[g], xq + 32 * i + 4 * g);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), acc[i]);
+      if constexpr (has_offset(T)) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[b * M + i]), acc[i]);
     }
   }
   for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
@@ -185,12 +206,12 @@ void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uin
 
 // dot_q8_tile for `rows` <= MR rows
 template <int64_t T, int MR>
-void dot_q8_rows(int64_t rows, const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
+void dot_q8_rows(int64_t rows, const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, int64_t KB,
                  float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
   if (rows == MR)
-    dot_q8_tile<T, MR>(xq, xd, xs, rec, KB, out, ahead);
+    dot_q8_tile<T, MR>(x, M, m0, rec, KB, out, ahead);
   else if constexpr (MR > 1)
-    dot_q8_rows<T, MR - 1>(rows, xq, xd, xs, rec, KB, out, ahead);
+    dot_q8_rows<T, MR - 1>(rows, x, M, m0, rec, KB, out, ahead);
 }
 
 // ---- blocks kept whole: the K-quants ---------------------------------------------------------------
@@ -732,12 +753,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   };
   const auto* xbf = f32 ? nullptr : static_cast<const c10::BFloat16*>(x.data_ptr());
   auto regrouped = [&]<int64_t T>() {
-    XBlocks xb;
-    if (!f32) {
-      xb.q.resize(M * K), xb.d.resize(M * KB), xb.sum.resize(M * KB);
-      for (int64_t m = 0; m < M; m++)
-        quantize_row(xbf + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
-    }
+    const XBlocks xb = f32 ? XBlocks() : quantize_rows<T>(xbf, M, KB);
     // many rows (bfloat16): each tile in passes of MAX_ROWS rows, the next tile prefetched across them
     const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -753,10 +769,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
             for (int64_t i = 0; i < block; i++)
               dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
           } else {
-            const int8_t* q = xb.q.data() + m0 * K;
-            const float* d = xb.d.data() + m0 * KB;
-            const int32_t* s = xb.sum.data() + m0 * KB;
-            dot_q8_rows<T, MAX_ROWS>(block, q, d, s, rec, KB, sums, ahead);
+            dot_q8_rows<T, MAX_ROWS>(block, xb, M, m0, rec, KB, sums, ahead);
           }
           for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
