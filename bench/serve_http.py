@@ -14,9 +14,9 @@ tokens): constrained decoding's cost at each level is their tokens/s ratio.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16
 (bench/ggufs.py's cached file), `--threads` threads and one slot per client of the largest level; lmstack as many
-running slots for long requests, and besides them the eighth it keeps for short ones (`--short-slots`). With `--file-type T` both servers
-run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in --weight-format), e.g. the
-SmolLM2-1.7B-shaped random model in Q4_0:
+running slots for long requests, and besides them the eighth it keeps for short ones (`--short-slots`). With
+`--file-type T` both servers run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in
+--weight-format), e.g. the SmolLM2-1.7B-shaped random model in Q4_0:
 
     python bench/serve_http.py --llama-server /work/peers/llama.cpp-build/bin/llama-server
     python bench/serve_http.py --model smollm2-1.7b-random --file-type Q4_0 --weight-format gguf \
