@@ -253,8 +253,7 @@ FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales
 def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
     """(.., 16, 4) bytes of Q5 fifth bits (bit c of row r: column c) -> (.., 64): for each group g of columns
     4g..4g+3, 64 bits, bit 4r + t the bit of row r's column 4g + t (kernels_gguf.cpp)."""
-    nibbles = torch.stack([bits >> 4 * (g % 2) & 0x0F for g in range(8)], dim=-1)  # (.., 16, 4, 8): by byte
-    nibbles = torch.stack([nibbles[..., g // 2, g] for g in range(8)], dim=-1)  # (.., 16 rows, 8 groups)
+    nibbles = torch.stack([bits[..., g // 2] >> 4 * (g % 2) & 0x0F for g in range(8)], dim=-1)  # (.., row, group)
     pairs = nibbles.reshape(*bits.shape[:-2], 8, 2, 8)  # (.., row // 2, row % 2, group)
     return (pairs[..., 0, :] | pairs[..., 1, :] << 4).transpose(-1, -2).reshape(*bits.shape[:-2], 64)
 

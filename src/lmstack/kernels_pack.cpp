@@ -39,8 +39,12 @@ inline void put(uint8_t* rec, int64_t r, const uint8_t* src, int64_t block) {
       }
       at += 64, q += 4;
     }
-    for (int g = 0; g < (Q8 ? 8 : 4); g++)
-      for (int t = 0; t < 4; t++) at[64 * g + 4 * r + t] = Q8 ? q[4 * g + t] ^ 0x80 : q[4 * g + t];
+    for (int g = 0; g < (Q8 ? 8 : 4); g++) {
+      uint32_t four;
+      std::memcpy(&four, q + 4 * g, 4);
+      if constexpr (Q8) four ^= 0x80808080u;
+      std::memcpy(at + 64 * g + 4 * r, &four, 4);
+    }
   }
 }
 
