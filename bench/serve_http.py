@@ -14,10 +14,11 @@ tokens): constrained decoding's cost at each level is their tokens/s ratio. Gree
 only where the unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every
 step's mask (decoding.py), so the ratio is that path's.
 
-llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
-cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
-run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in --weight-format), e.g. the
-SmolLM2-1.7B-shaped random model in Q4_0:
+llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16
+(bench/ggufs.py's cached file), `--threads` threads and one slot per client of the largest level; lmstack as many
+running slots for long requests, and besides them the eighth it keeps for short ones (`--short-slots`). With
+`--file-type T` both servers run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in
+--weight-format), e.g. the SmolLM2-1.7B-shaped random model in Q4_0:
 
     python bench/serve_http.py --llama-server /work/peers/llama.cpp-build/bin/llama-server
     python bench/serve_http.py --model smollm2-1.7b-random --file-type Q4_0 --weight-format gguf \
@@ -212,14 +213,22 @@ def in_process_engine(args):
 
     torch.set_num_threads(args.threads)
     lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile)
-    return Engine(lm, tokenizer, max_running=max(args.clients)).start(), tokenizer
+    slots, kept = running_slots(args)
+    return Engine(lm, tokenizer, max_running=slots, short_slots=kept).start(), tokenizer
+
+
+def running_slots(args) -> tuple:
+    """(max_running, short_slots): a slot for every client of the largest level, as llama-server's, besides the
+    slots lmstack keeps for short requests (the default share, an eighth)."""
+    clients = max(args.clients)
+    return clients + clients // 8, clients // 8
 
 
 def start_lmstack(args, env) -> tuple:
     port = free_port()
     command = [sys.executable, "-m", "lmstack", "serve", "--model", args.model, "--port", str(port),
                "--weight-format", args.weight_format, "--numeric-profile", args.numeric_profile,
-               "--max-running", str(max(args.clients))]
+               *(f"--{name}={value}" for name, value in zip(("max-running", "short-slots"), running_slots(args)))]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, process, "lmstack serve")
     return process, port

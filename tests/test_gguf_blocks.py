@@ -82,7 +82,7 @@ def test_packing_by_chunks_of_rows_is_packing_the_whole(qtype, use_kernels, monk
     expected = kernels._pack_gguf(raw, qtype.value)
     assert torch.equal(kernels.pack_gguf(raw, qtype.value), expected)
     into = torch.full_like(expected, 0x55)
-    for start, stop in ((0, 5), (5, 16), (16, 19), (19, 21)):
+    for start, stop in ((0, 5), (5, 13), (13, 19), (19, 21)):  # across tiles of 8 and of 16 rows
         kernels.pack_gguf(raw[start:stop], qtype.value, into, start, rows)
     assert torch.equal(into, expected)
     assert torch.equal(kernels.unpack_gguf(into, qtype.value, rows), raw)
@@ -186,15 +186,15 @@ def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1], **by_name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], **by_name)
 def test_a_row_gets_its_bits_alone_in_any_engine_step(qtype):
-    """Many rows (an engine step) share each pass over the blocks, the next tile prefetched across the passes:
-    each row's result is the bits it gets alone, whatever its batch-mates and however many."""
+    """Many rows (an engine step) share each pass over the blocks, up to 16 at a time, the next tile prefetched
+    across the passes: each row's result is the bits it gets alone, whatever its batch-mates and however many."""
     rows, cols = 21, 2 * columns(qtype)
     packed = kernels.pack_gguf(torch.from_numpy(random_blocks(qtype, rows, cols, seed=3)), qtype.value)
-    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
     alone = torch.cat([kernels.gguf_matvec(x[i:i + 1], packed, qtype.value, rows, None) for i in range(len(x))])
-    for m in (2, 3, 5, 6, 7, 16, 17):
+    for m in (2, 3, 5, 6, 7, 15, 16, 17, 20):
         assert torch.equal(kernels.gguf_matvec(x[:m], packed, qtype.value, rows, None), alone[:m]), m
     assert torch.equal(kernels.gguf_matvec(x[9:], packed, qtype.value, rows, None), alone[9:])
 

@@ -359,12 +359,12 @@ class GGUFBlocks(nn.Module):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
         if self.kernel and x.dtype == torch.bfloat16 and self.k % 2 == 0 and kernels.gemm_for_prefill():
             return kernels.gguf_gemm(x, self.weight, self.qtype, self.n, None)
-        step = max(kernels.TILE, GGUF_DENSE_BYTES // (self.k * x.element_size()) // kernels.TILE * kernels.TILE)
+        tile = kernels.GGUF_TYPES[self.qtype].tile
+        step = max(tile, GGUF_DENSE_BYTES // (self.k * x.element_size()) // tile * tile)
         if not self.kernel or step >= self.n:
             return F.linear(x, self.dense(dtype=x.dtype))
         # whole tiles of rows at a time: the whole matrix dequantized (a tied head's vocab x d_model) would take
         # several times the blocks' memory
-        tile = kernels.TILE
         return torch.cat([F.linear(x, kernels.gguf_dequantize(self.weight[r // tile:(r + step) // tile], self.qtype,
                                                               min(step, self.n - r), self.k, None, x.dtype))
                           for r in range(0, self.n, step)], dim=-1)

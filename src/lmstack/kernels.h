@@ -11,6 +11,7 @@
 namespace lmstack {
 
 constexpr int64_t TILE = 8;                // rows of w per tile: kernels.py's TILE
+constexpr int64_t REGROUPED_TILE = 16;     // rows of w per record of Q8_0, Q4_0, ...: kernels.py's REGROUPED_TILE
 constexpr int64_t TASK_WEIGHTS = 1 << 15;  // fewer weights than this per thread: not worth a thread
 
 // 16 float32 values v into out at element `at`: out float32, or bfloat16 (rounded to nearest even)

@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 NAME = "lmstack_kernels"
 STALE_LOCK_SECONDS = 600
 TILE = 8  # rows of w per tile: kernels.cpp's TILE
+REGROUPED_TILE = 16  # rows of w per record of the regrouped GGUF types (Q8_0, Q4_0, ...): kernels.h's
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-mgfni", "-fopenmp"]
 SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp",
@@ -227,6 +228,11 @@ class BlockType:
     float16_at: tuple
     regrouped: bool = False
 
+    @property
+    def tile(self) -> int:
+        """Rows of w per record of pack_gguf."""
+        return REGROUPED_TILE if self.regrouped else TILE
+
 
 GGUF_TYPES = {  # ggml type id -> its BlockType
     8: BlockType("Q8_0", 32, 34, (0,), regrouped=True),
@@ -244,40 +250,58 @@ Q8_0 = 8
 FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales
 
 
-def _q8_0_halves(quants: torch.Tensor) -> torch.Tensor:
-    """(.., TILE, 32) int8 Q8_0 quants -> (.., TILE * 32) uint8 q + 128, by halves: each 64 bytes one half
-    (weights 0..15 or 16..31) of four rows (kernels_gguf.cpp)."""
-    unsigned = (quants.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    halves = unsigned.reshape(*quants.shape[:-2], TILE // 4, 4, 2, 16).transpose(-3, -2)
-    return halves.reshape(*quants.shape[:-2], -1)
-
-
 def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
-    """(.., TILE, 4) bytes of Q5 fifth bits -> (.., 32): for each four rows, their 16 bits of weights 0..15, then
-    their 16 bits of weights 16..31 (kernels_gguf.cpp)."""
-    return bits.reshape(*bits.shape[:-2], TILE // 4, 4, 2, 2).transpose(-3, -2).reshape(*bits.shape[:-2], -1)
+    """(.., 16, 4) bytes of Q5 fifth bits (bit c of row r: column c) -> (.., 64): for each group g of columns
+    4g..4g+3, 64 bits, bit 4r + t the bit of row r's column 4g + t (kernels_gguf.cpp)."""
+    nibbles = torch.stack([bits[..., g // 2] >> 4 * (g % 2) & 0x0F for g in range(8)], dim=-1)  # (.., row, group)
+    pairs = nibbles.reshape(*bits.shape[:-2], 8, 2, 8)  # (.., row // 2, row % 2, group)
+    return (pairs[..., 0, :] | pairs[..., 1, :] << 4).transpose(-1, -2).reshape(*bits.shape[:-2], 64)
+
+
+def _fifth_bits_back(packed: torch.Tensor) -> torch.Tensor:
+    """_fifth_bits' (.., 64) -> (.., 16, 4)."""
+    groups = packed.reshape(*packed.shape[:-1], 8, 8).transpose(-1, -2)  # (.., row // 2, group)
+    nibbles = torch.stack([groups & 0x0F, groups >> 4], dim=-2).reshape(*packed.shape[:-1], 16, 8)
+    return nibbles[..., 0::2] | nibbles[..., 1::2] << 4
+
+
+def _by_columns_of_four(quants: torch.Tensor, q8: bool) -> torch.Tensor:
+    """(.., 16, bytes) quants of 16 rows -> (.., 16 * bytes): chunks of 64 bytes, chunk g holding bytes 4g..4g+3 of
+    every row, row r at 4r; Q8_0's quants stored as q + 128 (kernels_gguf.cpp)."""
+    if q8:
+        quants = (quants.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return quants.reshape(*quants.shape[:-1], -1, 4).transpose(-3, -2).reshape(*quants.shape[:-2], -1)
+
+
+def _by_columns_of_four_back(packed: torch.Tensor, q8: bool) -> torch.Tensor:
+    """_by_columns_of_four's (.., 16 * bytes) -> (.., 16, bytes)."""
+    quants = packed.reshape(*packed.shape[:-1], -1, REGROUPED_TILE, 4).transpose(-3, -2)
+    quants = quants.reshape(*packed.shape[:-1], REGROUPED_TILE, -1)
+    return (quants.to(torch.int16) - 128).to(torch.int8).view(torch.uint8) if q8 else quants
 
 
 def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, row: int = 0,
               n: int | None = None) -> torch.Tensor:
-    """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / TILE), K / values, record
-    bytes): for each TILE rows and column block, the TILE rows' blocks side by side, or, for a regrouped type, the
-    TILE scales, [the TILE offsets,] [their fifth bits,] the TILE rows' quants (Q8_0's as kernels_gguf.cpp orders
-    them); padding rows are zeros. With `out`, the packing of an n-row tensor, raw is its rows row.. and goes into
-    their records there (a large tensor packed a chunk at a time); by kernels_pack.cpp where the kernels run."""
+    """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / tile), K / values, record
+    bytes), tile = GGUF_TYPES[qtype].tile: for each tile of rows and column block, the rows' blocks side by side,
+    or, for a regrouped type, the 16 rows' scales, [their offsets,] [their fifth bits,] their quants, 4 columns
+    of the 16 rows in each 64 bytes (kernels_gguf.cpp); padding rows are zeros. With `out`, the packing of an n-row
+    tensor, raw is its rows row.. and goes into their records there (a large tensor packed a chunk at a time); by
+    kernels_pack.cpp where the kernels run."""
     kind = GGUF_TYPES[qtype]
     n = raw.shape[0] if n is None else n
+    tile = kind.tile
     if available():
         if out is None:
-            out = torch.empty((-(-n // TILE), raw.shape[1] // kind.bytes, TILE * kind.bytes), dtype=torch.uint8)
+            out = torch.empty((-(-n // tile), raw.shape[1] // kind.bytes, tile * kind.bytes), dtype=torch.uint8)
         torch.ops.lmstack.pack_gguf_into(raw.contiguous(), out, row, n, kind.bytes, kind.regrouped,
                                          len(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0)
         return out
     if out is None:
         return _pack_gguf(raw, qtype)
-    first, stop = row // TILE, -(-(row + raw.shape[0]) // TILE)  # the records raw's rows are in
-    rows = unpack_gguf(out[first:stop], qtype, (stop - first) * TILE)[:min(n, stop * TILE) - first * TILE].clone()
-    rows[row - first * TILE:row - first * TILE + raw.shape[0]] = raw
+    first, stop = row // tile, -(-(row + raw.shape[0]) // tile)  # the records raw's rows are in
+    rows = unpack_gguf(out[first:stop], qtype, (stop - first) * tile)[:min(n, stop * tile) - first * tile].clone()
+    rows[row - first * tile:row - first * tile + raw.shape[0]] = raw
     out[first:stop] = _pack_gguf(rows, qtype)
     return out
 
@@ -285,9 +309,9 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
 def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """pack_gguf of a whole tensor by PyTorch's operators."""
     kind = GGUF_TYPES[qtype]
-    n = raw.shape[0]
-    blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % TILE))
-    tiled = blocks.view(-1, TILE, blocks.shape[1], kind.bytes).transpose(1, 2)  # (tiles, K / values, TILE, block)
+    n, tile = raw.shape[0], kind.tile
+    blocks = F.pad(raw.reshape(n, -1, kind.bytes), (0, 0, 0, 0, 0, -n % tile))
+    tiled = blocks.view(-1, tile, blocks.shape[1], kind.bytes).transpose(1, 2)  # (tiles, K / values, tile, block)
     if not kind.regrouped:
         return tiled.reshape(*tiled.shape[:2], -1).contiguous()
     head = 2 * len(kind.float16_at)
@@ -295,8 +319,7 @@ def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype in FIFTH_BITS:
         fields.append(_fifth_bits(tiled[..., head:head + 4]))
         head += 4
-    quants = tiled[..., head:]
-    fields.append(_q8_0_halves(quants) if qtype == Q8_0 else quants)
+    fields.append(_by_columns_of_four(tiled[..., head:], qtype == Q8_0))
     return torch.cat([f.reshape(*tiled.shape[:2], -1) for f in fields], dim=-1).contiguous()
 
 
@@ -304,22 +327,18 @@ def unpack_gguf(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     """The (n, K / values * block bytes) rows of blocks pack_gguf was given."""
     kind = GGUF_TYPES[qtype]
     tiles, blocks = packed.shape[:2]
+    tile = kind.tile
     if kind.regrouped:
         head = 2 * len(kind.float16_at)
-        scales = packed[..., :head * TILE].reshape(tiles, blocks, head // 2, TILE, 2).transpose(2, 3)
-        parts = [scales.reshape(tiles, blocks, TILE, head)]
-        at = head * TILE
+        scales = packed[..., :head * tile].reshape(tiles, blocks, head // 2, tile, 2).transpose(2, 3)
+        parts = [scales.reshape(tiles, blocks, tile, head)]
+        at = head * tile
         if qtype in FIFTH_BITS:
-            bits = packed[..., at:at + 32].reshape(tiles, blocks, TILE // 4, 2, 4, 2).transpose(-3, -2)
-            parts.append(bits.reshape(tiles, blocks, TILE, 4))
-            at += 32
-        quants = packed[..., at:]
-        if qtype == Q8_0:  # back from _q8_0_halves
-            quants = quants.reshape(tiles, blocks, TILE // 4, 2, 4, 16).transpose(-3, -2)
-            quants = (quants.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        parts.append(quants.reshape(tiles, blocks, TILE, -1))
+            parts.append(_fifth_bits_back(packed[..., at:at + 64]))
+            at += 64
+        parts.append(_by_columns_of_four_back(packed[..., at:], qtype == Q8_0))
         packed = torch.cat(parts, dim=-1)
-    return packed.reshape(tiles, blocks, TILE, kind.bytes).transpose(1, 2).reshape(tiles * TILE, -1)[:n]
+    return packed.reshape(tiles, blocks, tile, kind.bytes).transpose(1, 2).reshape(tiles * tile, -1)[:n]
 
 
 def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None):

@@ -1,15 +1,17 @@
-// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1 regrouped by tile,
-// and Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
+// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 regrouped by
+// tile, and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
 //
 // Regrouped types: each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0
 // d and 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m), Q5_0 and Q5_1
 // as Q4_0 and Q4_1 with a fifth bit of each weight in 32 bits (w = d * (q - 16), d * q + m); a nibble byte j
-// holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of TILE rows:
-// record (tile, block) = the TILE scales d, [the TILE offsets m,] [the fifth bits: for each four rows, their bits
-// of weights 0..15, then of 16..31, 16 bits a row,] the TILE rows' quants, so that each thread reads one
-// sequential stream, as matvec_int8 does. Q8_0's quants are stored as q + 128 (unsigned, as VNNI's first operand
-// must be) and by halves, each 64 bytes holding one half (weights 0..15 or 16..31) of four rows, the shape of four
-// rows' nibble bytes: all these types then meet x the same way. Types kept whole: see below.
+// holds weights j (low) and j + 16 (high). kernels.py's pack_gguf regroups the blocks of REGROUPED_TILE (16) rows
+// into one record (tile, block), laid out so that one 64-byte register holds 4 columns of all 16 rows, row r in
+// bytes 4r..4r+3 (VNNI's 32-bit lanes): the 16 scales d, [the 16 offsets m,] [the fifth bits: for each group g of
+// columns 4g..4g+3, 64 bits, bit 4r + t the bit of row r's column 4g + t,] then the quants: Q4_0's and the other
+// nibble types' 4 x 64 bytes, chunk k holding row r's nibble bytes 4k..4k+3 (columns 4k.. in the low nibbles,
+// 16 + 4k.. in the high), Q8_0's 8 x 64 bytes, chunk g holding row r's quants 4g..4g+3 as q + 128 (unsigned, as
+// VNNI's first operand must be). Each thread reads one sequential stream, as matvec_int8 does. Types kept whole:
+// see below.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
@@ -35,10 +37,11 @@
 
 namespace {
 
+using lmstack::REGROUPED_TILE;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
-constexpr int64_t MAX_ROWS = 4;  // rows of x that share each unpacked block of weights
+constexpr int MAX_ROWS = 16;        // rows of x that share each unpacked block of weights: 16 accumulators
 
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml's type ids
 
@@ -46,198 +49,170 @@ constexpr bool has_offset(int64_t type) { return type == Q4_1 || type == Q5_1; }
 constexpr bool has_high_bits(int64_t type) { return type == Q5_0 || type == Q5_1; }
 constexpr int zero_point(int64_t type) { return type == Q8_0 ? 128 : type == Q5_0 ? 16 : 8; }  // w = d * (q - z)
 
-// where a (tile, block) record's high bits (Q5_0, Q5_1) and quants start, and its bytes
-constexpr int64_t high_at(int64_t type) { return has_offset(type) ? 32 : 16; }
-constexpr int64_t quants_at(int64_t type) { return high_at(type) + (has_high_bits(type) ? 32 : 0); }
-constexpr int64_t record_bytes(int64_t type) { return quants_at(type) + TILE * (type == Q8_0 ? 32 : 16); }
+// where a (tile, block) record's offsets m, high bits (Q5_0, Q5_1) and quants start, and its bytes
+constexpr int64_t offsets_at = 2 * REGROUPED_TILE;
+constexpr int64_t high_at(int64_t type) { return (has_offset(type) ? 2 : 1) * 2 * REGROUPED_TILE; }
+constexpr int64_t quants_at(int64_t type) { return high_at(type) + (has_high_bits(type) ? 64 : 0); }
+constexpr int64_t record_bytes(int64_t type) { return quants_at(type) + REGROUPED_TILE * (type == Q8_0 ? 32 : 16); }
 
-// the 16 bytes of row r's quants in a record that hold weights 0..15 (half 0) or 16..31 (half 1): for Q4_0 and
-// Q4_1 the row's nibble bytes (both halves), for Q8_0 the half's bytes
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline __m512 scales16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// The record's weights as unsigned bytes q (w = d * (q - z), or d * q + m), w[g] holding columns 4g..4g+3 of the
+// 16 rows (row r in bytes 4r..4r+3)
 template <int64_t T>
-inline const uint8_t* row_quants(const uint8_t* rec, int64_t r, int half) {
-  if constexpr (T == Q8_0) return rec + quants_at(T) + (r / 4) * 128 + half * 64 + (r % 4) * 16;
-  return rec + quants_at(T) + r * 16;
-}
-
-// Q5_0 and Q5_1's fifth bits of weights 0..15 (half 0) or 16..31 (half 1): of row r, or of rows 4j..4j+3 (each 16)
-inline uint16_t row_high(const uint8_t* rec, int64_t type, int64_t r, int half) {
-  uint16_t bits;
-  std::memcpy(&bits, rec + high_at(type) + (r / 4) * 16 + half * 8 + (r % 4) * 2, 2);
-  return bits;
-}
-inline __mmask64 quad_high(const uint8_t* rec, int64_t type, int j, int half) {
-  uint64_t bits;
-  std::memcpy(&bits, rec + high_at(type) + j * 16 + half * 8, 8);
-  return _cvtu64_mask64(bits);
-}
-
-inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-
-// ---- float32 activations: weights dequantized exactly --------------------------------------------
-
-// the 16 weights of one row's block, half 0 (weights 0..15) or 1 (16..31), at quants q = row_quants(.., half)
-// with fifth bits `high` (Q5_0, Q5_1), as float32
-template <int64_t T>
-inline __m512 dequant16(const uint8_t* q, int half, uint16_t high, __m512 d, __m512 m) {
+inline void unpack_weights(const uint8_t* rec, __m512i* w) {
+  constexpr int64_t QA = quants_at(T);
   if constexpr (T == Q8_0) {
-    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), d);
+    for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(rec + QA + 64 * g);
   } else {
-    __m128i v = _mm_loadu_si128((const __m128i*)q);
-    if (half) v = _mm_srli_epi16(v, 4);
-    __m512i n = _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F)));
-    if constexpr (has_high_bits(T)) n = _mm512_or_si512(n, _mm512_maskz_set1_epi32(high, 16));
-    if constexpr (has_offset(T)) return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(n)), m);
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(zero_point(T)))));
-  }
-}
-
-// dot products of one float32 row x (KB * 32) with the TILE rows of one tile (KB records from rec)
-template <int64_t T>
-void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
-  constexpr int64_t R = record_bytes(T);
-  __m512 even[TILE], odd[TILE];
-  for (int r = 0; r < TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < KB; b++, rec += R) {
-    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-    const __m512 d = _mm512_castps256_ps512(halves(rec));
-    const __m512 m = has_offset(T) ? _mm512_castps256_ps512(halves(rec + 16)) : _mm512_setzero_ps();
-    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < TILE; r++) {
-      const uint8_t* q = row_quants<T>(rec, r, 0);
-      const __m512i lane = _mm512_set1_epi32(r);
-      const __m512 dr = _mm512_permutexvar_ps(lane, d), mr = _mm512_permutexvar_ps(lane, m);
-      if constexpr (T == Q8_0) {
-        even[r] = _mm512_fmadd_ps(dequant16<T>(q, 0, 0, dr, mr), x0, even[r]);
-        odd[r] = _mm512_fmadd_ps(dequant16<T>(row_quants<T>(rec, r, 1), 1, 0, dr, mr), x1, odd[r]);
-      } else {  // the row's 16 (32) possible weights, each computed as dequant16 computes it, looked up by value
-        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        auto weights = [&](__m512 q) {
-          return has_offset(T) ? _mm512_add_ps(_mm512_mul_ps(dr, q), mr)
-                               : _mm512_mul_ps(dr, _mm512_sub_ps(q, _mm512_set1_ps(zero_point(T))));
-        };
-        const __m512 table = weights(iota);
-        const __m128i v = _mm_loadu_si128((const __m128i*)q), low = _mm_set1_epi8(0x0F);
-        __m512i n0 = _mm512_cvtepu8_epi32(_mm_and_si128(v, low));
-        __m512i n1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low));
-        if constexpr (has_high_bits(T)) {
-          const __m512 upper = weights(_mm512_add_ps(iota, _mm512_set1_ps(16)));
-          n0 = _mm512_or_si512(n0, _mm512_maskz_set1_epi32(row_high(rec, T, r, 0), 16));
-          n1 = _mm512_or_si512(n1, _mm512_maskz_set1_epi32(row_high(rec, T, r, 1), 16));
-          even[r] = _mm512_fmadd_ps(_mm512_permutex2var_ps(table, n0, upper), x0, even[r]);
-          odd[r] = _mm512_fmadd_ps(_mm512_permutex2var_ps(table, n1, upper), x1, odd[r]);
-        } else {
-          even[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n0, table), x0, even[r]);
-          odd[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(n1, table), x1, odd[r]);
-        }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; k++) {
+      const __m512i v = _mm512_loadu_si512(rec + QA + 64 * k);
+      w[k] = _mm512_and_si512(v, nib), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    if constexpr (has_high_bits(T)) {
+      for (int g = 0; g < 8; g++) {
+        uint64_t bits;
+        std::memcpy(&bits, rec + high_at(T) + 8 * g, 8);
+        w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(bits), w[g], _mm512_set1_epi8(16));
       }
     }
   }
-  for (int r = 0; r < TILE; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+// Weights from their unsigned quants q (int32 lanes, fifth bit included) and the row's d and m, exactly as
+// gguf.quants.dequantize computes them
+template <int64_t T>
+inline __m512 weights_of(__m512i q, __m512 d, __m512 m) {
+  if constexpr (T == Q8_0) return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(128))), d);
+  if constexpr (has_offset(T)) return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), m);
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zero_point(T)))));
+}
+
+// ---- float32 activations: weights dequantized exactly --------------------------------------------
+
+// dot products of one float32 row x (KB * 32) with the 16 rows of one tile (KB records from rec): each column's 16
+// weights times x's value, in four float32 sums by column mod 4
+template <int64_t T>
+void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+  constexpr int64_t R = record_bytes(T);
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
+    __m512i w[8];
+    unpack_weights<T>(rec, w);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++)
+      for (int t = 0; t < 4; t++) {
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w[g], 8 * t), _mm512_set1_epi32(0xFF));
+        acc[t] = _mm512_fmadd_ps(weights_of<T>(q, d, m), _mm512_set1_ps(x[b * 32 + 4 * g + t]), acc[t]);
+      }
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
 // ---- bfloat16 activations: x quantized per block to int8, integer dot products -----------------
 
-struct XBlocks {  // one row of x: KB blocks of 32 int8, their scales and sums
+// Rows of x quantized by blocks of 32 as llama.cpp's quantize_row_q8_0 does, with float32 scales: q = round(x / d),
+// d = amax / 127. Block-major (block b of row m at q[(b * M + m) * 32], its terms at [b * M + m]), so that the rows
+// of a pass lie at fixed distances from one pointer. Per block, besides d: the term of the weights' zero point z,
+// -z * sum(q) (Q8_0, Q4_0, Q5_0), or the factor of their offset m, d * sum(q) (Q4_1, Q5_1).
+struct XBlocks {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> zero;
+  std::vector<float> offset;
 };
 
-// x's row quantized as llama.cpp's quantize_row_q8_0, with a float32 scale: q = round(x / d), d = amax / 127
-void quantize_row(const c10::BFloat16* x, int64_t KB, int8_t* q, float* d, int32_t* sum) {
-  for (int64_t b = 0; b < KB; b++) {
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32))), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + b * 32 + 16))), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    d[b] = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
-    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    _mm_storeu_si128((__m128i*)(q + b * 32), _mm512_cvtsepi32_epi8(ql));
-    _mm_storeu_si128((__m128i*)(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
-    sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-  }
+inline __m512 widened(const c10::BFloat16* p) {  // 16 bfloat16 values as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// dot products of MR quantized rows of x (row stride K = KB * 32) with the TILE rows of one tile: each block of
-// weights is unpacked once for the MR rows; each row's sums are the same whatever MR is (out[i][r], row i). One
-// pass over the tile prefetches PREFETCH bytes ahead of each record; one of several passes steps `ahead` (the
-// next tile's prefetch) once a record.
+template <int64_t T>
+XBlocks quantize_rows(const c10::BFloat16* x, int64_t M, int64_t KB) {
+  XBlocks xb;
+  xb.q.resize(M * KB * 32), xb.d.resize(M * KB);
+  if constexpr (has_offset(T))
+    xb.offset.resize(M * KB);
+  else
+    xb.zero.resize(M * KB);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < KB; b++) {
+      const c10::BFloat16* xp = x + (m * KB + b) * 32;
+      const int64_t at = b * M + m;
+      const __m512 lo = widened(xp), hi = widened(xp + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
+      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128((__m128i*)(xb.q.data() + at * 32), _mm512_cvtsepi32_epi8(ql));
+      _mm_storeu_si128((__m128i*)(xb.q.data() + at * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+      xb.d[at] = d;
+      if constexpr (has_offset(T))
+        xb.offset[at] = d * float(sum);
+      else
+        xb.zero[at] = -zero_point(T) * sum;
+    }
+  return xb;
+}
+
+// acc + the dot products of 4-byte groups: w's unsigned bytes times x's 4 int8, broadcast from memory (one
+// instruction: compilers load and broadcast apart)
+inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t*)x), "v"(w));
+  return acc;
+}
+
+// dot products of MR rows m0.. of quantized x (M rows, KB blocks) with the 16 rows of one tile: each block of
+// weights is unpacked once for the MR rows, and one VNNI dot product multiplies 4 columns of x with 4 columns of
+// the 16 rows. Per row of x and block the same steps whatever MR is: the block's integer sum, converted once,
+// times d * d_x, added in block order (row i's sums in out[i]). One pass over the tile prefetches PREFETCH bytes
+// ahead of each record; one of several passes steps `ahead` (the next tile's prefetch) once a record.
 template <int64_t T, int MR>
-void dot_q8_tile(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
-                 float (*out)[TILE], lmstack::Prefetch* ahead = nullptr) {
-  constexpr int64_t R = record_bytes(T), QA = quants_at(T);
-  const int64_t K = KB * 32;
-  alignas(64) float lanes[16];
-  // two registers of four rows each (lanes 4j..4j+3: row 4 * reg + j); each row's weights 0..15 (low nibbles,
-  // Q8_0's first halves) meet x[0..15], weights 16..31 (high nibbles, second halves) x[16..31]
-  __m512 acc[MR][2];
-  __m256 offsets[MR];  // Q4_1, Q5_1: sum over blocks of m * d_x * sum(x_q)
-  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), offsets[i] = _mm256_setzero_ps();
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i quad[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                           _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
-  for (int64_t b = 0; b < KB; b++, rec += R) {
+void dot_q8_tile(const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, int64_t KB,
+                 float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
+  constexpr int64_t R = record_bytes(T);
+  __m512 acc[MR];
+  for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  const int8_t* xq = x.q.data() + m0 * 32;
+  const float* xd = x.d.data() + m0;
+  const int32_t* zero = has_offset(T) ? nullptr : x.zero.data() + m0;
+  const float* offset = has_offset(T) ? x.offset.data() + m0 : nullptr;
+  for (int64_t b = 0; b < KB; b++, rec += R, xq += M * 32, xd += M) {
     if (ahead)
       ahead->step();
     else
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
-    const __m256 d = halves(rec), m = has_offset(T) ? halves(rec + 16) : _mm256_setzero_ps();
-    __m512i lo[2], hi[2];
-    for (int j = 0; j < 2; j++) {
-      if constexpr (T == Q8_0) {
-        lo[j] = _mm512_loadu_si512(rec + QA + j * 128), hi[j] = _mm512_loadu_si512(rec + QA + j * 128 + 64);
-      } else {
-        const __m512i v = _mm512_loadu_si512(rec + QA + j * 64);
-        lo[j] = _mm512_and_si512(v, nib), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if constexpr (has_high_bits(T)) {
-          lo[j] = _mm512_mask_add_epi8(lo[j], quad_high(rec, T, j, 0), lo[j], _mm512_set1_epi8(16));
-          hi[j] = _mm512_mask_add_epi8(hi[j], quad_high(rec, T, j, 1), hi[j], _mm512_set1_epi8(16));
-        }
-      }
-    }
+    const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
+    __m512i w[8];
+    unpack_weights<T>(rec, w);
+#pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-      const int8_t* xb = xq + i * K + b * 32;
-      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));
-      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));
-      const int32_t sum = xs[i * KB + b];
-      const __m512i corr = has_offset(T) ? _mm512_setzero_si512()  // the offset m is summed apart
-                                         : _mm512_maskz_set1_epi32(0x1111, -zero_point(T) * sum);
-      const __m256 xdb = _mm256_set1_ps(xd[i * KB + b]);
-      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(d, xdb));
-      if constexpr (has_offset(T))
-        offsets[i] = _mm256_fmadd_ps(m, _mm256_mul_ps(xdb, _mm256_set1_ps(float(sum))), offsets[i]);
-      for (int j = 0; j < 2; j++) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, lo[j], xlo), hi[j], xhi);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(quad[j], scale), acc[i][j]);
-      }
+      __m512i dot = has_offset(T) ? _mm512_setzero_si512() : _mm512_set1_epi32(zero[b * M + i]);
+      for (int g = 0; g < 8; g++) dot = dot_broadcast(dot, w[g], xq + 32 * i + 4 * g);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), acc[i]);
+      if constexpr (has_offset(T)) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[b * M + i]), acc[i]);
     }
   }
-  for (int i = 0; i < MR; i++) {
-    alignas(32) float offs[TILE];
-    _mm256_store_ps(offs, offsets[i]);
-    for (int j = 0; j < 2; j++) {
-      _mm512_store_ps(lanes, acc[i][j]);
-      for (int h = 0; h < 4; h++) {
-        float sum = 0;
-        for (int l = 0; l < 4; l++) sum += lanes[4 * h + l];
-        out[i][4 * j + h] = sum + offs[4 * j + h];
-      }
-    }
-  }
+  for (int i = 0; i < MR; i++) _mm512_storeu_ps(out[i], acc[i]);
 }
 
 // dot_q8_tile for `rows` <= MR rows
 template <int64_t T, int MR>
-void dot_q8_rows(int64_t rows, const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* rec, int64_t KB,
-                 float (*out)[TILE], lmstack::Prefetch* ahead) {
+void dot_q8_rows(int64_t rows, const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, int64_t KB,
+                 float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
   if (rows == MR)
-    dot_q8_tile<T, MR>(xq, xd, xs, rec, KB, out, ahead);
+    dot_q8_tile<T, MR>(x, M, m0, rec, KB, out, ahead);
   else if constexpr (MR > 1)
-    dot_q8_rows<T, MR - 1>(rows, xq, xd, xs, rec, KB, out, ahead);
+    dot_q8_rows<T, MR - 1>(rows, x, M, m0, rec, KB, out, ahead);
 }
 
 // ---- blocks kept whole: the K-quants ---------------------------------------------------------------
@@ -261,12 +236,6 @@ inline __m512i fields(const uint8_t* p, int lo, int hi, uint8_t mask) {
   const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
   const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1);
   return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(mask));
-}
-
-inline uint32_t u32_at(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // 128 bytes of nibbles where weight 64c + 32s + l is nibble s of byte 32c + l, as the bytes of weights 64c..64c+63
@@ -783,18 +752,18 @@ void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
 
 // ---- the table of types ------------------------------------------------------------------------
 
-struct TypeInfo {  // ggml's id, its name, weights per block, bytes of one (tile, block) record
+struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, bytes of one (tile, block) record
   int64_t id;
   const char* name;
-  int64_t values, record;
+  int64_t values, rows, record;
 };
+constexpr TypeInfo regrouped(int64_t id, const char* name) { return {id, name, 32, REGROUPED_TILE, record_bytes(id)}; }
 template <class T>
-constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE * T::BYTES}; }
+constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE, TILE * T::BYTES}; }
 constexpr TypeInfo TYPES[] = {
-    {Q8_0, "Q8_0", 32, record_bytes(Q8_0)}, {Q4_0, "Q4_0", 32, record_bytes(Q4_0)},
-    {Q4_1, "Q4_1", 32, record_bytes(Q4_1)}, {Q5_0, "Q5_0", 32, record_bytes(Q5_0)},
-    {Q5_1, "Q5_1", 32, record_bytes(Q5_1)}, kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"),
-    kept_whole<Q4_K>("Q4_K"), kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
+    regrouped(Q8_0, "Q8_0"),  regrouped(Q4_0, "Q4_0"),  regrouped(Q4_1, "Q4_1"),  regrouped(Q5_0, "Q5_0"),
+    regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), kept_whole<Q4_K>("Q4_K"),
+    kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
   for (const TypeInfo& t : TYPES)
@@ -825,10 +794,10 @@ const TypeInfo& check_packed(const at::Tensor& w, int64_t type, int64_t N, int64
   const TypeInfo& t = type_info(type);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() && w.dim() == 3,
               "gguf kernels: w must be a contiguous 3-D uint8 CPU tensor");
-  TORCH_CHECK(K % t.values == 0 && w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K / t.values &&
-                  w.size(2) == t.record,
-              "gguf kernels: ", t.name, " w of ", N, " rows and ", K, " columns must be packed as (",
-              (N + TILE - 1) / TILE, ", ", K / t.values, ", ", t.record, "), got ", w.sizes());
+  const int64_t tiles = (N + t.rows - 1) / t.rows;
+  TORCH_CHECK(K % t.values == 0 && w.size(0) == tiles && w.size(1) == K / t.values && w.size(2) == t.record,
+              "gguf kernels: ", t.name, " w of ", N, " rows and ", K, " columns must be packed as (", tiles, ", ",
+              K / t.values, ", ", t.record, "), got ", w.sizes());
   return t;
 }
 
@@ -839,7 +808,8 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   const at::Tensor x = x_.contiguous();
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "gguf_matvec: x must be a CPU tensor");
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  const int64_t QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
+  const TypeInfo& info = check_packed(w, type, N, K);
+  const int64_t QK = info.values, KB = K / QK, R = w.size(2), tiles = w.size(0);
   const bool f32 = x.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "gguf_matvec: x must be float32 or bfloat16");
   if (bias.has_value())
@@ -850,8 +820,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const int64_t tiles = (N + TILE - 1) / TILE;
-  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (TILE * std::max<int64_t>(K, 1)));
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (info.rows * std::max<int64_t>(K, 1)));
   // row m's sums for the `rows` rows of w from n, plus the bias, into y
   auto emit = [&](int64_t m, int64_t n, int64_t rows, const float* sums) {
     if (f32) {
@@ -866,31 +835,23 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   };
   const auto* xbf = f32 ? nullptr : static_cast<const c10::BFloat16*>(x.data_ptr());
   auto regrouped = [&]<int64_t T>() {
-    XBlocks xb;
-    if (!f32) {
-      xb.q.resize(M * K), xb.d.resize(M * KB), xb.sum.resize(M * KB);
-      for (int64_t m = 0; m < M; m++)
-        quantize_row(xbf + m * K, KB, xb.q.data() + m * K, xb.d.data() + m * KB, xb.sum.data() + m * KB);
-    }
+    const XBlocks xb = f32 ? XBlocks() : quantize_rows<T>(xbf, M, KB);
     // many rows (bfloat16): each tile in passes of MAX_ROWS rows, the next tile prefetched across them
     const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      float sums[MAX_ROWS][TILE];
+      float sums[MAX_ROWS][REGROUPED_TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
-        const int64_t n = t * TILE, rows = std::min(TILE, N - n);
+        const int64_t n = t * REGROUPED_TILE, rows = std::min(REGROUPED_TILE, N - n);
         lmstack::Prefetch next(rec + KB * R, KB * R, (R + passes - 1) / passes);
         lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-          const int64_t block = std::min(MAX_ROWS, M - m0);
+          const int64_t block = std::min<int64_t>(MAX_ROWS, M - m0);
           if (f32) {
             for (int64_t i = 0; i < block; i++)
               dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
           } else {
-            const int8_t* q = xb.q.data() + m0 * K;
-            const float* d = xb.d.data() + m0 * KB;
-            const int32_t* s = xb.sum.data() + m0 * KB;
-            dot_q8_rows<T, MAX_ROWS>(block, q, d, s, rec, KB, sums, ahead);
+            dot_q8_rows<T, MAX_ROWS>(block, xb, M, m0, rec, KB, sums, ahead);
           }
           for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
@@ -918,23 +879,39 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   return y;
 }
 
+// Q5_0 and Q5_1's fifth bits of row r's weights 0..15 (half 0) or 16..31 (half 1), bit j the bit of weight
+// 16 * half + j
+template <int64_t T>
+inline uint16_t row_high(const uint8_t* rec, int64_t r, int half) {
+  uint16_t bits = 0;
+  for (int k = 0; k < 4; k++) {
+    uint64_t group;
+    std::memcpy(&group, rec + high_at(T) + 8 * (4 * half + k), 8);
+    bits |= uint16_t((group >> (4 * r)) & 0xF) << (4 * k);
+  }
+  return bits;
+}
+
 // Row n's blocks b0..b1-1 of a packed matrix (KB blocks a row, R bytes a tile's block), dequantized into out from
 // element `at` on, as float32 or bfloat16: for a type whose tiles are regrouped (Q8_0, Q4_0, ...) and for one
 // whose blocks stay whole (the K-quants)
 template <int64_t T>
 void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
                    bool bf16, int64_t at) {
-  const int64_t r = n % TILE;
-  const uint8_t* rec = wp + ((n / TILE) * KB + b0) * R;
+  const int64_t r = n % REGROUPED_TILE;
+  const uint8_t* rec = wp + ((n / REGROUPED_TILE) * KB + b0) * R;
   for (int64_t b = b0; b < b1; b++, rec += R) {
-    alignas(32) float d[TILE], m[TILE] = {};
-    _mm256_store_ps(d, halves(rec));
-    if constexpr (has_offset(T)) _mm256_store_ps(m, halves(rec + 16));
-    const __m512 dr = _mm512_set1_ps(d[r]), mr = _mm512_set1_ps(m[r]);
+    const __m512 d = _mm512_set1_ps(half_at(rec + 2 * r));
+    const __m512 m = has_offset(T) ? _mm512_set1_ps(half_at(rec + offsets_at + 2 * r)) : _mm512_setzero_ps();
     for (int half = 0; half < 2; half++) {
-      const uint16_t high = has_high_bits(T) ? row_high(rec, T, r, half) : 0;
-      lmstack::store16(out, bf16, at + (b - b0) * 32 + 16 * half,
-                       dequant16<T>(row_quants<T>(rec, r, half), half, high, dr, mr));
+      // the row's 16 bytes in the file's order: Q8_0's quants 16 * half.. (as q + 128), the others' nibble bytes
+      const uint8_t* q = rec + quants_at(T) + 4 * r + (T == Q8_0 ? 256 * half : 0);
+      __m128i v = _mm_setr_epi32(int(u32_at(q)), int(u32_at(q + 64)), int(u32_at(q + 128)), int(u32_at(q + 192)));
+      if constexpr (T != Q8_0) v = _mm_and_si128(half ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
+      __m512i quants = _mm512_cvtepu8_epi32(v);
+      if constexpr (has_high_bits(T))
+        quants = _mm512_or_si512(quants, _mm512_maskz_set1_epi32(row_high<T>(rec, r, half), 16));
+      lmstack::store16(out, bf16, at + (b - b0) * 32 + 16 * half, weights_of<T>(quants, d, m));
     }
   }
 }

@@ -84,7 +84,7 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
     never a second copy of a whole tensor."""
     sizes = [source.info(name).shape[0] for name in names]
     n, kind = sum(sizes), kernels.GGUF_TYPES[qtype]
-    packed = torch.empty((-(-n // kernels.TILE), k // kind.values, kernels.TILE * kind.bytes), dtype=torch.uint8)
+    packed = torch.empty((-(-n // kind.tile), k // kind.values, kind.tile * kind.bytes), dtype=torch.uint8)
     row = 0
     for name, size in zip(names, sizes):
         step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
