@@ -282,6 +282,16 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
     return out
 
 
+def first_nonfinite_float16(blocks: np.ndarray, at: int) -> int | None:
+    """The first of (rows, blocks, block bytes) uint8 blocks whose float16 at byte `at` is inf or nan, as row *
+    blocks + block, or None; by kernels_pack.cpp where the kernels run."""
+    if available():
+        first = torch.ops.lmstack.first_nonfinite_float16(torch.from_numpy(blocks), blocks.shape[-1], at)
+        return None if first < 0 else first
+    bad = np.flatnonzero((blocks[..., at:at + 2].copy().view("<u2") & 0x7C00) == 0x7C00)
+    return int(bad[0]) if bad.size else None
+
+
 def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """pack_gguf of a whole tensor by PyTorch's operators."""
     kind = GGUF_TYPES[qtype]
