@@ -282,6 +282,12 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
     return out
 
 
+def pread_parallel(fd: int, offset: int, buffer: memoryview) -> int:
+    """Fill buffer (writable bytes) from the file at offset on the kernels' threads: the bytes read (fewer where the
+    file ends first), or -errno."""
+    return torch.ops.lmstack.pread_parallel(fd, offset, torch.frombuffer(buffer, dtype=torch.uint8))
+
+
 def first_nonfinite_float16(blocks: np.ndarray, at: int) -> int | None:
     """The first of (rows, blocks, block bytes) uint8 blocks whose float16 at byte `at` is inf or nan, as row *
     blocks + block, or None; by kernels_pack.cpp where the kernels run."""

@@ -9,7 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 
 namespace {
@@ -109,9 +113,38 @@ int64_t first_nonfinite_float16(const at::Tensor& raw, int64_t block, int64_t at
   return -1;
 }
 
+// out (contiguous) filled from file descriptor fd at offset, its parts read by PyTorch's threads at once: one
+// pread copies from the page cache on one core, a fifth of a 1.7B model's load. The bytes read (fewer where the
+// file ends first), or -errno.
+int64_t pread_parallel(int64_t fd, int64_t offset, at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && offset >= 0, "pread_parallel: out must be contiguous, offset not negative");
+  constexpr int64_t PART = 256 << 10;
+  uint8_t* p = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t n = out.nbytes();
+  std::atomic<int64_t> read_to{n};
+  std::atomic<int> error{0};
+  at::parallel_for(0, (n + PART - 1) / PART, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; part++) {
+      for (int64_t at = part * PART, stop = std::min(n, at + PART); at < stop;) {
+        const ssize_t got = pread(int(fd), p + at, size_t(stop - at), off_t(offset + at));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return void(error = errno);
+        if (got == 0) {  // the end of the file: what lies before `at` was read
+          for (int64_t seen = read_to; at < seen && !read_to.compare_exchange_weak(seen, at);) {
+          }
+          break;
+        }
+        at += got;
+      }
+    }
+  });
+  return error ? -int64_t(error) : int64_t(read_to);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
+  m.def("pread_parallel(int fd, int offset, Tensor(a!) out) -> int", pread_parallel);
   m.def("first_nonfinite_float16(Tensor raw, int block, int at) -> int", first_nonfinite_float16);
   m.def("pack_gguf_into(Tensor raw, Tensor(a!) out, int row, int n, int block, bool regrouped, int scales, "
         "bool fifth_bits, bool q8_halves) -> ()",
