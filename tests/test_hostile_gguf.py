@@ -374,6 +374,7 @@ def test_gguf_cut_short_while_open_is_refused_not_sigbus(tmp_path):
 def test_a_read_split_over_threads_gives_the_files_bytes_and_names_a_short_file(tmp_path):
     """pread_into of a megabyte or more (split over the kernels' threads): the file's bytes at the offset; a file
     that ends inside the read is named, not half-read."""
+    kernels.available()  # reads are split only once the kernels are loaded
     data = np.random.default_rng(0).integers(0, 256, 3 * PARALLEL_READ_BYTES + 5, dtype=np.uint8).tobytes()
     path = tmp_path / "data.bin"
     path.write_bytes(data)

@@ -111,6 +111,12 @@ def available() -> bool:
 
 
 @functools.cache
+def loaded() -> bool:
+    """Whether available() has loaded the kernels in this process: a caller that can do without them (a file's
+    read) does not start their build."""
+    return available.cache_info().currsize > 0 and available()
+
+
 def gemm_for_prefill() -> bool:
     """Whether a bfloat16 prefill takes kernels_gemm.cpp's GEMM on the weights as stored: with AVX512-BF16 alone it
     matches oneDNN's GEMM and spares the dense copy F.linear needs; with AMX (amx_bf16) oneDNN's GEMM is several
