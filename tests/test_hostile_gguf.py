@@ -12,6 +12,7 @@ from gguf import GGUFValueType as T
 
 import isolated
 from lmstack import CausalLM, CheckpointError, SafetensorsFile, Tokenizer, kernels
+from lmstack.checkpoint import PARALLEL_READ_BYTES, pread_into
 from lmstack.gguf import GGUFFile, GGUFHeader
 from test_hostile import checkpoint_dir, gguf_file
 
@@ -368,6 +369,22 @@ def test_gguf_cut_short_while_open_is_refused_not_sigbus(tmp_path):
         gguf_file(path)
         cases[what] = (("cut_then", str(path), what), [str(path), "cut short"])
     all_refused(cases)
+
+
+def test_a_read_split_over_threads_gives_the_files_bytes_and_names_a_short_file(tmp_path):
+    """pread_into of a megabyte or more (split over the kernels' threads): the file's bytes at the offset; a file
+    that ends inside the read is named, not half-read."""
+    kernels.available()  # reads are split only once the kernels are loaded
+    data = np.random.default_rng(0).integers(0, 256, 3 * PARALLEL_READ_BYTES + 5, dtype=np.uint8).tobytes()
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    with path.open("rb") as fh:
+        buffer = np.empty(2 * PARALLEL_READ_BYTES + 3, dtype=np.uint8)
+        pread_into(fh.fileno(), buffer, 7, path, "the bytes")
+        assert buffer.tobytes() == data[7:7 + len(buffer)]
+        with pytest.raises(CheckpointError, match="the bytes cannot be read: the file was cut short"):
+            pread_into(fh.fileno(), np.empty(2 * PARALLEL_READ_BYTES, dtype=np.uint8), PARALLEL_READ_BYTES + 11, path,
+                       "the bytes")
 
 
 def test_safetensors_cut_short_while_open_is_refused(tmp_path):

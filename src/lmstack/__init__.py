@@ -19,15 +19,25 @@ names the file, the field or tensor, and what was expected.
     KeyError                       a tensor name that a checkpoint does not hold (info, read)
 """
 
-from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
-from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
-from .gguf import GGUFFile
-from .lookup import PromptLookupError
-from .model import CausalLM, CausalLMState
-from .parallel import ParallelCausalLM, PipelineCausalLM
-from .perplexity import Perplexity, perplexity
-from .sampling import Sampler, TextStream, generate_text, stream_text
-from .tokenizer import PATTERNS, Tokenizer, TokenizerError
+import gc as _gc
+
+# Importing torch makes about a million objects and no garbage: the collector's passes over them as they are made
+# took a fifth of a second of every start. It runs again once the imports are done.
+_collecting = _gc.isenabled()
+_gc.disable()
+try:
+    from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
+    from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
+    from .gguf import GGUFFile
+    from .lookup import PromptLookupError
+    from .model import CausalLM, CausalLMState
+    from .parallel import ParallelCausalLM, PipelineCausalLM
+    from .perplexity import Perplexity, perplexity
+    from .sampling import Sampler, TextStream, generate_text, stream_text
+    from .tokenizer import PATTERNS, Tokenizer, TokenizerError
+finally:
+    if _collecting:
+        _gc.enable()
 
 __all__ = [
     "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .config import UnsupportedModel, parse_json, read_json
 
 READ_SLICE_BYTES = 1 << 20
@@ -38,9 +39,16 @@ class TensorInfo:
     file: Path
 
 
+PARALLEL_READ_BYTES = 1 << 20  # reads this large are split over the kernels' threads
+
+
 def pread_into(fd: int, buffer, offset: int, path, what: str):
     """Fill `buffer` (a writable buffer) from the file at `offset`; a file cut short since it was opened is named."""
     view, done = memoryview(buffer).cast("B"), 0
+    if len(view) >= PARALLEL_READ_BYTES and kernels.loaded():
+        done = kernels.pread_parallel(fd, offset, view)
+        if done < 0:
+            raise OSError(-done, f"{path}: {what} cannot be read: {os.strerror(-done)}")
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import MAX_EXPERTS, HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
-from .kernels import GGUF_TYPES
+from .kernels import GGUF_TYPES, first_nonfinite_float16
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -518,16 +518,15 @@ class GGUFFile(GGUFHeader):
             per_head = max(1, t.dims[1] // self._heads(name, t.dims[1]))
             start, stop, _ = (rows or slice(None)).indices(t.dims[1])
             lo, hi = start // per_head * per_head, max(start, -(-stop // per_head) * per_head)
-            heads = torch.from_numpy(self.data(t, slice(lo, hi)).reshape(hi - lo, t.nbytes // max(1, t.dims[1])))
-            raw = unpermute(heads, (hi - lo) // per_head)[start - lo:stop - lo].contiguous().numpy()
+            heads = self.data(t, slice(lo, hi)).reshape(hi - lo, t.nbytes // max(1, t.dims[1]))
+            raw = heads[unpermuted_order(hi - lo, (hi - lo) // per_head)[start - lo:stop - lo]]
         else:
             raw = self.data(t, rows)
         raw = raw.reshape(-1, t.dims[0] // kind.values, kind.bytes)
         first = rows.start or 0 if rows is not None else 0
         for at in kind.float16_at:
-            scales = raw[..., at:at + 2].copy().view("<u2")
-            if ((scales & 0x7C00) == 0x7C00).any():
-                row, block = (int(i[0]) for i in np.nonzero((scales[..., 0] & 0x7C00) == 0x7C00))
+            if (bad := first_nonfinite_float16(raw, at)) is not None:
+                row, block = divmod(bad, raw.shape[1])
                 raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a float16 scale that is inf "
                                       f"or nan (bytes {at}..{at + 1} of block {block} of row {first + row})")
         return t.type.value, torch.from_numpy(raw.reshape(raw.shape[0], -1))
@@ -659,3 +658,9 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's `permute`, which interleaves each head's two rotary halves row by row."""
     rows = weight.shape[0]
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermuted_order(rows: int, n_heads: int) -> np.ndarray:
+    """The file's row of each of unpermute's output rows: gathering a block tensor's rows by it (a copy of whole
+    rows) is many times faster than PyTorch's copy of the transposed view."""
+    return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(0, 2, 1).reshape(-1)

@@ -112,6 +112,12 @@ def available() -> bool:
 
 
 @functools.cache
+def loaded() -> bool:
+    """Whether available() has loaded the kernels in this process: a caller that can do without them (a file's
+    read) does not start their build."""
+    return available.cache_info().currsize > 0 and available()
+
+
 def gemm_for_prefill() -> bool:
     """Whether a bfloat16 prefill takes kernels_gemm.cpp's GEMM on the weights as stored: with AVX512-BF16 alone it
     matches oneDNN's GEMM and spares the dense copy F.linear needs; with AMX (amx_bf16) oneDNN's GEMM is several
@@ -304,6 +310,22 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
     rows[row - first * tile:row - first * tile + raw.shape[0]] = raw
     out[first:stop] = _pack_gguf(rows, qtype)
     return out
+
+
+def pread_parallel(fd: int, offset: int, buffer: memoryview) -> int:
+    """Fill buffer (writable bytes) from the file at offset on the kernels' threads: the bytes read (fewer where the
+    file ends first), or -errno."""
+    return torch.ops.lmstack.pread_parallel(fd, offset, torch.frombuffer(buffer, dtype=torch.uint8))
+
+
+def first_nonfinite_float16(blocks: np.ndarray, at: int) -> int | None:
+    """The first of (rows, blocks, block bytes) uint8 blocks whose float16 at byte `at` is inf or nan, as row *
+    blocks + block, or None; by kernels_pack.cpp where the kernels run."""
+    if available():
+        first = torch.ops.lmstack.first_nonfinite_float16(torch.from_numpy(blocks), blocks.shape[-1], at)
+        return None if first < 0 else first
+    bad = np.flatnonzero((blocks[..., at:at + 2].copy().view("<u2") & 0x7C00) == 0x7C00)
+    return int(bad[0]) if bad.size else None
 
 
 def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:

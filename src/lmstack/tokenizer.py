@@ -16,7 +16,6 @@ from pathlib import Path
 
 import tokenizers
 
-from . import chat
 from .config import MAX_VOCAB, UnsupportedModel, parse_json, read_json, read_text
 from .gguf import GGUFHeader, TokenizerData, is_gguf, tokenizer_data
 from .pretokenizers import DIGIT, GGUF_PRE_TOKENIZERS, GPT2, PATTERNS
@@ -172,6 +171,8 @@ class Tokenizer:
                 raise TokenizerError(f"{config_file}: {key} {text!r} is not in the vocabulary of {file}")
             return (i,)
 
+        from . import chat  # (and jinja2 with it) where it is used, not by every program that encodes
+
         bos_ids, eos_ids = ids_of("bos_token"), ids_of("eos_token")
         special_tokens = {key: content(key) for key in chat.SPECIAL_TOKENS if content(key) is not None}
         before, after = _template_ends(spec.get("post_processor"))
@@ -226,10 +227,10 @@ class Tokenizer:
 
     def _bind(self, text, spec, source, bos_ids, eos_ids, prefix, suffix, chat_template, backend=None):
         try:
-            self._special = backend or tokenizers.Tokenizer.from_str(text)
+            built = backend or tokenizers.Tokenizer.from_str(text)
         except Exception as e:
             raise TokenizerError(f"{source}: tokenizers cannot build it: {_short(e)}") from None
-        vocab = self._special.get_vocab(with_added_tokens=True)
+        vocab = built.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"{source}: the vocabulary is empty")
         top = max(vocab, key=vocab.get)
@@ -238,34 +239,45 @@ class Tokenizer:
         if (factor := _expansion(spec.get("normalizer"))) > MAX_EXPANSION:  # chained, they abort the process
             raise TokenizerError(f"{source}: the normalizer's Replace steps can make a text {factor:g} times longer "
                                  f"(at most {MAX_EXPANSION})")
+        added = built.get_added_tokens_decoder()
         # Without allow_special every added token's text is ordinary text, the non-special ones' too, but
         # for runs of whitespace (GPT-NeoX's and MPT's "  ", "   ", ...): they forge nothing, and are
         # how the model saw such runs, in `tokenizers` and llama.cpp alike
-        if all(token.special or token.content.isspace() for token in
-               self._special.get_added_tokens_decoder().values()):
-            self._plain = tokenizers.Tokenizer.from_str(text)
+        if all(token.special or token.content.isspace() for token in added.values()):
+            # then the two differ only in encode_special_tokens: one built here, the other from the same text
+            # when first used (_special), a second build of the vocabulary and merges a plain encode never needs
+            self._plain = tokenizers.Tokenizer.from_str(text) if backend else built
+            self._special_built, self._special_text = backend, text
         else:
-            plain = json.loads(self._special.to_str()) if backend else dict(spec)  # a file as `tokenizers` read it
+            plain = json.loads(built.to_str()) if backend else dict(spec)  # a file as `tokenizers` read it
             plain["added_tokens"] = [{**token, "special": token["special"] or not token["content"].isspace()}
                                      for token in plain["added_tokens"]]
             self._plain = tokenizers.Tokenizer.from_str(json.dumps(plain))
+            self._special_built, self._special_text = built, None
         self._plain.encode_special_tokens = True
         self.source, self.chat_template = source, chat_template
         self.bos_ids, self.eos_ids, self._prefix, self._suffix = bos_ids, eos_ids, prefix, suffix
         self.n_vocab = vocab[top] + 1
-        self._added_ids = {i: token.content for i, token in self._special.get_added_tokens_decoder().items()}
-        self._kind = type(self._special.model).__name__
+        self._added_ids = {i: token.content for i, token in added.items()}
+        self._kind = type(built.model).__name__
         self.pattern, self._bytes, self._missing = None, None, b""
         if self._kind == "BPE" and _byte_level(spec.get("pre_tokenizer")) and _byte_level(spec.get("decoder")):
             self.pattern = _pattern(spec["pre_tokenizer"])
-            self._bytes = self._byte_table(vocab)
-            if self._special.model.unk_token is None:
+            self._bytes = self._byte_table(vocab, added)
+            if built.model.unk_token is None:
                 self._missing = bytes(b for b, c in enumerate(BYTE_CHARS) if self._plain.token_to_id(c) is None)
 
-    def _byte_table(self, vocab) -> list:
+    @property
+    def _special(self) -> tokenizers.Tokenizer:
+        """The tokenizer that matches special tokens' text (allow_special, to_json)."""
+        if self._special_built is None:  # two threads may both build it: the same tokenizer either way
+            self._special_built = tokenizers.Tokenizer.from_str(self._special_text)
+        return self._special_built
+
+    def _byte_table(self, vocab, added) -> list:
         """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level (if it is)."""
         table = [None] * self.n_vocab
-        for i, token in self._special.get_added_tokens_decoder().items():
+        for i, token in added.items():
             table[i] = token.content.encode()
         for token, i in vocab.items():
             if table[i] is not None:
@@ -339,6 +351,8 @@ class Tokenizer:
         transformers hands them. The sandbox keeps the template from Python's internals, files and the
         network, and bounds its time and memory (chat.py).
         """
+        from . import chat
+
         try:
             template = chat.select(self.chat_template, chat_template, tools)
             return chat.render(template, messages, special_tokens=self.special_tokens, tools=tools,
@@ -362,6 +376,8 @@ class Tokenizer:
         if allow_special_in_messages:
             return self.encode(render(messages, tools=tools, documents=documents), add_special_tokens=False,
                                allow_special=True)
+        from . import chat
+
         inert = _InertSpecials(self)
         prompt = render(inert.of(chat._as_data(messages)), tools=inert.of(chat._as_data(tools)),
                         documents=inert.of(chat._as_data(documents)))
