@@ -141,97 +141,69 @@ struct Strides {
   int64_t row, block, tile;
 };
 
-// x (M rows of K bfloat16 values) as the many-row kernel reads it: block k of row m (32 columns, zeros past K) at
-// (k * M + m) * 32. A pass's rows of x then lie side by side, where rows K apart share the L1's sets: 16 rows of
-// 4 KiB would take 16 lines of one 12-way set for every block.
-at::Tensor x_blocks(const at::Tensor& x, int64_t M, int64_t K) {
-  const int64_t K32 = (K + 31) / 32;
-  at::Tensor blocks = at::empty({K32, M, 32}, x.options());
-  const auto* in = static_cast<const uint16_t*>(x.data_ptr());
-  auto* out = static_cast<uint16_t*>(blocks.data_ptr());
-  for (int64_t k = 0; k < K32; k++) {
-    const __mmask32 mask = k * 32 + 32 <= K ? ~0u : (__mmask32)((1ull << (K - k * 32)) - 1);
-    for (int64_t m = 0; m < M; m++)
-      _mm512_storeu_si512(out + (k * M + m) * 32, _mm512_maskz_loadu_epi16(mask, in + m * K + k * 32));
-  }
-  return blocks;
-}
-
-// One pass of the many-row kernel: MR rows of x (x_blocks' layout, `x` at the first one's block 0, M rows in all)
-// against the TILE rows of a tile over blocks k0..k1-1 of K32; `tail` masks the columns of block K32 - 1 (all ones
-// when K is a multiple of 32; a tile's zero padding needs none). Each output is one accumulator, summed over the
-// blocks in order and reduced by sum4, as dot_bf16_tile and dot_bf16 sum it (so a row's results never depend on how
-// many rows share the call): between passes over consecutive blocks it waits in `partial` (row m's at
-// partial[m * TILE]), and the pass that reaches the last block (k1 == K32) writes the sums to out[m * TILE + 0..7].
-// MR rows x TILE weight rows are 8 * MR accumulators: with MR = 3, 24 of the 32 registers and one load (of x or w)
-// for every 2.2 dot products.
+// One pass of the many-row kernel: MR rows of x (row stride K) against four rows of a tile (`rows`: where the first
+// starts) over blocks k0..k1-1 of K32. Each output is one accumulator, summed over the blocks in order and reduced
+// by sum4, as dot_bf16_tile and dot_bf16 sum it (so a row's results never depend on how many rows share the call):
+// between passes over consecutive blocks it waits in `partial` (row m's four at partial[m * TILE]), and the pass
+// that reaches the last block (k1 == K32) writes the sums to out[m * TILE + 0..3].
 template <int MR>
-__attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t M, const uint16_t* tile, Strides at,
-                                                     int64_t k0, int64_t k1, int64_t K32, __mmask32 tail,
-                                                     __m512* partial, float* out, Prefetch& pf) {
-  __m512 acc[MR][TILE];
+__attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t K, const uint16_t* rows, Strides at,
+                                                     int64_t k0, int64_t k1, int64_t K32, __m512* partial, float* out,
+                                                     Prefetch& pf) {
+  __m512 acc[MR][4];
   for (int m = 0; m < MR; m++)
-    for (int r = 0; r < TILE; r++) acc[m][r] = k0 == 0 ? _mm512_setzero_ps() : partial[m * TILE + r];
-  const auto block = [&](int64_t k, __mmask32 mask) __attribute__((always_inline)) {
+    for (int r = 0; r < 4; r++) acc[m][r] = k0 == 0 ? _mm512_setzero_ps() : partial[m * TILE + r];
+  for (int64_t k = k0; k < k1; k++) {
     pf.step();
+    const __mmask32 mask = k * 32 + 32 <= K ? ~0u : (__mmask32)((1ull << (K - k * 32)) - 1);
     __m512bh xv[MR];
-    for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + (k * M + m) * 32);
-    const uint16_t* w = tile + k * at.block;
-    for (int r = 0; r < TILE; r++) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * at.row);
+    for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k * 32);
+    const uint16_t* block = rows + k * at.block;
+    for (int r = 0; r < 4; r++) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, block + r * at.row);
       for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
     }
-  };
-  const int64_t whole = k1 == K32 && tail != (__mmask32)~0u ? k1 - 1 : k1;
-  for (int64_t k = k0; k < whole; k++) block(k, ~0u);
-  if (whole < k1) block(whole, tail);
+  }
   if (k1 == K32)
-    for (int m = 0; m < MR; m++)
-      for (int r = 0; r < TILE; r += 4) _mm_storeu_ps(out + m * TILE + r, sum4(acc[m] + r));
+    for (int m = 0; m < MR; m++) _mm_storeu_ps(out + m * TILE, sum4(acc[m]));
   else
     for (int m = 0; m < MR; m++)
-      for (int r = 0; r < TILE; r++) partial[m * TILE + r] = acc[m][r];
+      for (int r = 0; r < 4; r++) partial[m * TILE + r] = acc[m][r];
 }
 
 constexpr int64_t GROUP_ROWS = 16;    // rows of x that share each pass over a tile's chunk
-constexpr int64_t CHUNK_BLOCKS = 32;  // blocks of 32 columns a chunk (at least): TILE x 1024 weights, 16 KiB
+constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 columns a chunk (at least): TILE x 512 weights, 8 KiB
 
-// The rows of x a pass takes, at row m of a group of `group`: three (24 accumulators), two where four are left
-// (a pass of one row would load a weight for every dot product)
-inline int64_t pass_rows(int64_t m, int64_t group) { return group - m == 4 ? 2 : std::min<int64_t>(3, group - m); }
-
-// y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K, in x_blocks' layout) and the TILE rows of one tile
-// of w (K32 blocks of 32 columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The
-// rows of x take the tile GROUP_ROWS at a time, in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to
-// 2048): each chunk is read in one pass per three rows of x, which finds the chunk in the L1 after the first; and
-// while they compute, the weights one chunk ahead are prefetched (tiled: the next chunk, or the next tile's first;
-// rows of w as they are: the next tile), spread evenly over the passes, so that the memory streams the weights
-// during the arithmetic rather than between it. One chunk ahead, not one tile: 16 rows of the 1.7B model's
-// projections then run 1.15-1.25x faster on one Zen 5 core, where the next tile's 32 KiB, arriving in the L1 long
-// before their use, pushed out the chunk and the rows of x still in use.
+// y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K) and the TILE rows of one tile of w (K32 blocks of
+// 32 columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The rows of x take the tile GROUP_ROWS at a time,
+// in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to 1024): each chunk is read in one pass per four
+// rows of x and half tile from the L1, which holds the chunk, its rows of x and the partial sums; and while they
+// compute, the next tile (the TILE * K32 * 32 weights after this one) is prefetched, spread evenly over the passes,
+// so that the memory streams the weights during the arithmetic rather than between it (16 rows, one thread: 1.5x
+// the time of one row on the 135M model's layers, against 2.1x reading the tile once per four rows).
 void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tile, int64_t K32, Strides at,
                     const c10::BFloat16* bias, int64_t n, int64_t rows, c10::BFloat16* y, int64_t N) {
   float sums[GROUP_ROWS][TILE];
   __m512 partial[GROUP_ROWS * TILE];
   const int64_t chunks = std::max<int64_t>(1, K32 / CHUNK_BLOCKS), chunk = (K32 + chunks - 1) / chunks;
-  const __mmask32 tail = K % 32 ? (__mmask32)((1ull << (K % 32)) - 1) : ~0u;
-  int64_t passes = 0;  // over each block of the tile, all groups
-  for (int64_t g = 0; g < M; g += GROUP_ROWS)
-    for (int64_t m = 0, group = std::min(GROUP_ROWS, M - g); m < group; m += pass_rows(m, group)) passes++;
-  const bool in_order = at.block == TILE * 32;  // the tiled layout: the weights in the order the passes read them
-  Prefetch pf(tile + (in_order ? chunk * at.block : at.tile), at.tile * 2, (TILE * 64 + passes - 1) / passes);
+  const int64_t passes = (M + 3) / 4 * 2;  // over each block of the tile
+  Prefetch pf(tile + (at.block == TILE * 32 ? chunk * at.block : at.tile), at.tile * 2, (TILE + passes - 1) / passes * 64);
   for (int64_t g = 0; g < M; g += GROUP_ROWS) {
     const int64_t group = std::min(GROUP_ROWS, M - g);
     for (int64_t k0 = 0; k0 < K32; k0 += chunk) {
       const int64_t k1 = std::min(K32, k0 + chunk);
-      for (int64_t m = 0, mr; m < group; m += mr) {
-        mr = pass_rows(m, group);
-        const uint16_t* xm = x + (g + m) * 32;
-        __m512* part = partial + m * TILE;
-        switch (mr) {
-          case 1: pass_bf16<1>(xm, M, tile, at, k0, k1, K32, tail, part, sums[m], pf); break;
-          case 2: pass_bf16<2>(xm, M, tile, at, k0, k1, K32, tail, part, sums[m], pf); break;
-          default: pass_bf16<3>(xm, M, tile, at, k0, k1, K32, tail, part, sums[m], pf);
+      for (int64_t m = 0; m < group; m += 4) {
+        const uint16_t* xm = x + (g + m) * K;
+        for (int64_t h = 0; h < TILE; h += 4) {
+          __m512* part = partial + m * TILE + h;
+          const uint16_t* half = tile + h * at.row;
+          float* out = sums[m] + h;
+          switch (std::min<int64_t>(4, group - m)) {
+            case 1: pass_bf16<1>(xm, K, half, at, k0, k1, K32, part, out, pf); break;
+            case 2: pass_bf16<2>(xm, K, half, at, k0, k1, K32, part, out, pf); break;
+            case 3: pass_bf16<3>(xm, K, half, at, k0, k1, K32, part, out, pf); break;
+            default: pass_bf16<4>(xm, K, half, at, k0, k1, K32, part, out, pf);
+          }
         }
       }
     }
@@ -239,14 +211,14 @@ void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
   }
 }
 
-// y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K; with M > 1, also in x_blocks' layout as xb), w and bias
-void rows_bf16(const uint16_t* x, const uint16_t* xb, int64_t M, const uint16_t* w, int64_t N, int64_t K,
-               const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0, int64_t n1) {
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), w and bias
+void rows_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, const c10::BFloat16* bias,
+               c10::BFloat16* y, int64_t n0, int64_t n1) {
   float sums[GROUP_ROWS][TILE];
   for (int64_t n = n0; n < n1; n += TILE) {
     const int64_t rows = std::min(TILE, n1 - n);
     if (M > 1 && rows == TILE) {
-      many_rows_bf16(xb, M, K, w + n * K, (K + 31) / 32, {K, 32, TILE * K}, bias, n, rows, y, N);
+      many_rows_bf16(x, M, K, w + n * K, (K + 31) / 32, {K, 32, TILE * K}, bias, n, rows, y, N);
       continue;
     }
     for (int64_t m = 0; m < M; m += GROUP_ROWS) {
@@ -384,9 +356,7 @@ at::Tensor matvec_bf16(const at::Tensor& x_, const at::Tensor& w, const std::opt
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
-  const at::Tensor blocks = M > 1 ? x_blocks(x, M, K) : x;
-  const auto* xb = static_cast<const uint16_t*>(blocks.data_ptr());
-  split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_bf16(xp, xb, M, wp, N, K, bp, yp, n0, n1); });
+  split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_bf16(xp, M, wp, N, K, bp, yp, n0, n1); });
   return y;
 }
 
@@ -412,7 +382,7 @@ __attribute__((always_inline)) inline void dot_bf16_tile(const uint16_t* x, int6
 }
 
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), tiled w (N x K32 * 32, padded) and bias.
-// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16, x in x_blocks' layout.
+// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16.
 void rows_bf16_tiled(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, int64_t K32,
                      const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += TILE) {
@@ -443,13 +413,12 @@ at::Tensor matvec_bf16_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t 
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
                 "matvec_bf16: bias must be a contiguous bfloat16 vector of ", N);
   at::Tensor y = at::empty(out_shape(x, N), x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t K32 = w.size(1);
-  const at::Tensor blocks = M > 1 ? x_blocks(x, M, K) : x;
-  const auto* xb = static_cast<const uint16_t*>(blocks.data_ptr());
-  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_bf16_tiled(xb, M, wp, N, K, K32, bp, yp, n0, n1); });
+  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_bf16_tiled(xp, M, wp, N, K, K32, bp, yp, n0, n1); });
   return y;
 }
 
