@@ -13,7 +13,8 @@ plain and one with a `json_schema` response_format (a long string field, so ever
 tokens): constrained decoding's cost at each level is their tokens/s ratio.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
-cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
+cached file), `--threads` threads and one slot per client of the largest level; `lmstack serve` as many running
+requests and `--short-slots 0`, so that every client's request runs at once there too. With `--file-type T` both servers
 run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in --weight-format), e.g. the
 SmolLM2-1.7B-shaped random model in Q4_0:
 
@@ -215,7 +216,7 @@ def start_lmstack(args, env) -> tuple:
     port = free_port()
     command = [sys.executable, "-m", "lmstack", "serve", "--model", args.model, "--port", str(port),
                "--weight-format", args.weight_format, "--numeric-profile", args.numeric_profile,
-               "--max-running", str(max(args.clients))]
+               "--max-running", str(max(args.clients)), "--short-slots", "0"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, process, "lmstack serve")
     return process, port
