@@ -153,19 +153,17 @@ __attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t 
   __m512 acc[MR][4];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < 4; r++) acc[m][r] = k0 == 0 ? _mm512_setzero_ps() : partial[m * TILE + r];
-  const auto block = [&](int64_t k, __mmask32 mask) __attribute__((always_inline)) {
+  for (int64_t k = k0; k < k1; k++) {
     pf.step();
+    const __mmask32 mask = k * 32 + 32 <= K ? ~0u : (__mmask32)((1ull << (K - k * 32)) - 1);
     __m512bh xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k * 32);
-    const uint16_t* w = rows + k * at.block;
+    const uint16_t* block = rows + k * at.block;
     for (int r = 0; r < 4; r++) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * at.row);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, block + r * at.row);
       for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
     }
-  };
-  const int64_t whole = std::min(k1, K / 32);  // blocks of 32 columns read whole; the last of a K % 32 masked
-  for (int64_t k = k0; k < whole; k++) block(k, ~0u);
-  for (int64_t k = std::max(k0, whole); k < k1; k++) block(k, (__mmask32)((1ull << (K - k * 32)) - 1));
+  }
   if (k1 == K32)
     for (int m = 0; m < MR; m++) _mm_storeu_ps(out + m * TILE, sum4(acc[m]));
   else
