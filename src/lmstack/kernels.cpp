@@ -182,7 +182,7 @@ constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 columns a chunk (at least)
 // they are: the next tile), spread evenly over the passes, so that the memory streams the weights during the
 // arithmetic rather than between it (16 rows, one thread: 1.5x the time of one row on the 135M model's layers,
 // against 2.1x reading the tile once per four rows). One chunk on, not one tile: the next tile's 32 KiB, arriving
-// long before their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.1-1.5x, 16 rows 1.0-1.05x).
+// long before their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.05-1.45x, 16 rows 1.0-1.05x).
 void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tile, int64_t K32, Strides at,
                     const c10::BFloat16* bias, int64_t n, int64_t rows, c10::BFloat16* y, int64_t N) {
   float sums[GROUP_ROWS][TILE];
