@@ -63,7 +63,7 @@ def test_matvec_bf16(m, n, k, with_bias, tiled):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, k", [(13, 37), (24, 576), (9, 1100), (16, 2080)])
+@pytest.mark.parametrize("n, k", [(13, 37), (24, 576), (9, 1100), (16, 2080), (8, 2100)])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_matvec_bf16_gives_a_row_alone_its_bits_in_any_batch(n, k, tiled):
     """An engine step's rows (up to 16 share each pass over the weights, more in groups): each row's result is
