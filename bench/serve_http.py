@@ -13,7 +13,9 @@ plain and one with a `json_schema` response_format (a long string field, so ever
 tokens): constrained decoding's cost at each level is their tokens/s ratio.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16 (bench/ggufs.py's
-cached file), `--threads` threads and one slot per client of the largest level. With `--file-type T` both servers
+cached file), `--threads` threads and one slot per client of the largest level; lmstack as many running slots for
+long requests, and beside them the slots its default keeps for short ones (`--short-slots`, max-running // 8), so
+that in both every client's stream runs at once. With `--file-type T` both servers
 run bench/ggufs.py's file of that type (BF16, Q8_0, Q4_0, Q4_K_M, ...; lmstack in --weight-format), e.g. the
 SmolLM2-1.7B-shaped random model in Q4_0:
 
@@ -208,14 +210,15 @@ def in_process_engine(args):
 
     torch.set_num_threads(args.threads)
     lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile)
-    return Engine(lm, tokenizer, max_running=max(args.clients)).start(), tokenizer
+    return Engine(lm, tokenizer, max_running=max(args.clients), short_slots=0).start(), tokenizer
 
 
 def start_lmstack(args, env) -> tuple:
     port = free_port()
+    short = max(args.clients) // 8  # the default share of slots kept for short requests, beside one per client
     command = [sys.executable, "-m", "lmstack", "serve", "--model", args.model, "--port", str(port),
                "--weight-format", args.weight_format, "--numeric-profile", args.numeric_profile,
-               "--max-running", str(max(args.clients))]
+               "--max-running", str(max(args.clients) + short), "--short-slots", str(short)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, process, "lmstack serve")
     return process, port
