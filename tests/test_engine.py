@@ -70,9 +70,9 @@ class Recorder:
         self.logits, run = {}, engine.runner.run
 
         def recording(batch):
-            results = run(batch)
-            for seq, logits in results:
-                self.logits.setdefault(seq.arrival, []).append(logits.clone())
+            seqs, logits = results = run(batch)
+            for seq, row in zip(seqs, logits):
+                self.logits.setdefault(seq.arrival, []).append(row.clone())
             return results
 
         engine.runner.run = recording

@@ -365,13 +365,16 @@ def test_a_client_that_does_not_read_is_cut_off(model):
         return forward(*args, **kwargs)
 
     class Transport:  # what uvicorn's send is bound to
-        aborted, high = False, None
+        aborted, high, queued = False, None, 0
 
         def abort(self):
             self.aborted = True
 
         def set_write_buffer_limits(self, high):
             self.high = high
+
+        def get_write_buffer_size(self):
+            return self.queued
 
         def get_extra_info(self, name):
             return None
@@ -380,10 +383,12 @@ def test_a_client_that_does_not_read_is_cut_off(model):
         def __init__(self):
             self.transport, self.sent = Transport(), []
 
-        async def send(self, message):
-            self.sent.append(message)
-            if len(self.sent) > 3:  # the buffer is full from the third chunk on
+        async def send(self, message):  # as uvicorn's: a write waits while what is queued is above the limit
+            if self.transport.queued > self.transport.high:
                 await asyncio.sleep(3600)
+            self.sent.append(message)
+            if len(self.sent) >= 3:  # the buffer is full from the third chunk on
+                self.transport.queued = 2 * self.transport.high
 
     body = json.dumps({"model": NAME, "prompt": "Go on", "max_tokens": CONTEXT - 10, "stream": True,
                        "ignore_eos": True}).encode()

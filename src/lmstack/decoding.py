@@ -103,6 +103,12 @@ class Decoder:
         mask = constraint.mask(batch, lazy) if constraint is not None else None
         return cls(sampler, processors, device, mask)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with no processor: choose's token is the logits' argmax, and it keeps no state, so a caller
+        may take many such rows' tokens in one argmax without calling it."""
+        return self.sampler.greedy and not self.processors
+
     def choose(self, logits: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
         x = logits.float()  # as transformers computes, and faster
         for processor in self.processors:

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -836,20 +837,43 @@ void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& s
     std::vector<float> parts(n * group * stride);
     // a short context is done faster by one thread than split
     const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / 2 * n / std::max<int64_t>(1, keys * D * group));
+    // chunk i's pair, its key count, and its key and value rows into k, v
+    const auto chunk = [&](int64_t i, const E** k, const E** v) {
+      const int64_t p = p0 + (std::upper_bound(start.begin(), start.end(), i) - start.begin()) - 1;
+      const auto [lo, hi] = span(p);
+      const int64_t c = lo / CHUNK + i - start[p - p0], s0 = std::max(lo, c * CHUNK);
+      const int64_t len = std::min(hi, (c + 1) * CHUNK) - s0;
+      rows(p, s0, len, k, v);
+      return std::pair<int64_t, int64_t>(p, len);
+    };
+    // a chunk's rows lie in blocks scattered over the pool, which the hardware prefetcher does not follow: they
+    // are prefetched a chunk ahead (short contexts, as in decoding, are bound by these reads)
+    const auto prefetch = [&](const E* const* k, const E* const* v, int64_t len) {
+      for (int64_t s = 0; s < len; s++)
+        for (int64_t b = 0; b < D * int64_t(sizeof(E)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k[s]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v[s]) + b, _MM_HINT_T0);
+        }
+    };
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> query(group * D);  // float32 q times scale (bfloat16 q is scaled after its dot products)
-      const E *k[CHUNK], *v[CHUNK];
+      const E *rows_a[2][CHUNK], *rows_b[2][CHUNK];
+      const E **k = rows_a[0], **v = rows_a[1], **next_k = rows_b[0], **next_v = rows_b[1];
+      auto [next_p, next_len] = chunk(begin, next_k, next_v);
+      prefetch(next_k, next_v, next_len);
       int64_t p = -1;
       for (int64_t i = begin; i < end; i++) {
-        if (p < 0 || i >= start[p - p0 + 1]) {
-          p = p0 + (std::upper_bound(start.begin(), start.end(), i) - start.begin()) - 1;
+        std::swap(k, next_k), std::swap(v, next_v);
+        const int64_t len = next_len;
+        if (p != next_p) {
+          p = next_p;
           if constexpr (std::is_same_v<E, float>)
             for (int64_t j = 0; j < group * D; j++) query[j] = q[p * group * D + j] * scale;
         }
-        const auto [lo, hi] = span(p);
-        const int64_t c = lo / CHUNK + i - start[p - p0], s0 = std::max(lo, c * CHUNK);
-        const int64_t len = std::min(hi, (c + 1) * CHUNK) - s0;
-        rows(p, s0, len, k, v);
+        if (i + 1 < end) {
+          std::tie(next_p, next_len) = chunk(i + 1, next_k, next_v);
+          prefetch(next_k, next_v, next_len);
+        }
         float* part = parts.data() + i * group * stride;
         for (int64_t g = 0; g < group; g += HEADS) {
           const E* qe = q + (p * group + g) * D;

@@ -159,6 +159,12 @@ class Handle:
 
     # ---- engine side -------------------------------------------------------------------
 
+    @property
+    def _argmax_only(self) -> bool:
+        """Its next token is its logits' argmax (greedy, no processor, no logprobs): taken for every such request of
+        a step at once."""
+        return self.logprobs is None and self._decoder.argmax_only
+
     def _sample(self, logits: torch.Tensor) -> tuple[int, bool]:
         """The next token through the request's decoder, and whether its constraint is now complete."""
         token = int(self._decoder.choose(logits[None])[0])
@@ -190,28 +196,36 @@ class Handle:
             self.tokens.append(token)
             self.pieces.append(piece)
             self.token_times.append(time.monotonic())
-            self._notify()
         return reason
 
     def _finish(self, reason: str, error: EngineError | None = None):
         with self._cond:
             if self.finish_reason is None:
                 self.finish_reason, self.error = reason, error
-            self._notify()
+        _wake([self])
 
-    def _notify(self):
-        self._cond.notify_all()
-        waiters, self._waiters = self._waiters, []
+
+def _wake(handles):
+    """Wake whatever waits on these handles: threads through each one's condition, and each event loop by one
+    callback for all its waiters, so that a step's tokens cost a loop one wake-up, not one per request."""
+    futures = {}
+    for handle in handles:
+        with handle._cond:
+            handle._cond.notify_all()
+            waiters, handle._waiters = handle._waiters, []
         for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(_resolve, future)
-            except RuntimeError:  # its event loop has closed since: nobody is left to wake
-                pass
+            futures.setdefault(loop, []).append(future)
+    for loop, waiting in futures.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, waiting)
+        except RuntimeError:  # its event loop has closed since: nobody is left to wake
+            pass
 
 
-def _resolve(future):
-    if not future.done():
-        future.set_result(None)
+def _resolve(futures):
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
 
 
 class Engine:
@@ -441,22 +455,27 @@ class Engine:
     def _run(self, batch):
         if not batch:
             return
-        results = self.runner.run(batch)
+        seqs, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.n_computed += n
             if self.pool is not None:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
-        for seq, logits in results:
-            handle = self._handles[seq]
-            try:
-                token, ended = handle._sample(logits)
-            except Exception as error:  # its own constraint failed: that request ends, the others go on
-                self._end(handle, "error", EngineError(f"choosing the next token failed: {error}"))
-                continue
-            seq.tokens.append(token)
-            reason = handle._push(token, ended)
-            if reason is not None:
-                self._end(handle, reason)
+        handles = [self._handles[seq] for seq in seqs]
+        # argmax of every row at once (exact, so each row's token is what its own decoder would choose)
+        argmax = logits.argmax(-1).tolist() if any(h._argmax_only for h in handles) else None
+        try:
+            for i, (seq, handle) in enumerate(zip(seqs, handles)):
+                try:
+                    token, ended = (argmax[i], False) if handle._argmax_only else handle._sample(logits[i])
+                except Exception as error:  # its own constraint failed: that request ends, the others go on
+                    self._end(handle, "error", EngineError(f"choosing the next token failed: {error}"))
+                    continue
+                seq.tokens.append(token)
+                reason = handle._push(token, ended)
+                if reason is not None:
+                    self._end(handle, reason)
+        finally:
+            _wake(handles)
         grammar.compute_ahead([h._decoder.mask for h in self._handles.values()])
 
     def _end(self, handle: Handle, reason: str, error: EngineError | None = None):

@@ -23,9 +23,9 @@ class Runner:
             self.pages = model.allocate_pages(n_blocks, block_size)
             self.chunk_align = 1
 
-    def run(self, batch) -> list:
-        """batch: [(seq, n)], n tokens of seq to compute. Returns [(seq, logits (vocab,))] for each seq whose
-        tokens are then all computed."""
+    def run(self, batch) -> tuple[list, torch.Tensor]:
+        """batch: [(seq, n)], n tokens of seq to compute. Returns the seqs whose tokens are then all computed and
+        their logits (len(seqs), vocab), one row each, so that a step's greedy rows are chosen in one call."""
         with torch.no_grad(), row_invariant():
             return self._recurrent(batch) if self.recurrent else self._paged(batch)
 
@@ -46,21 +46,23 @@ class Runner:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         logits = self.model.forward_paged(as_tensor(ids), as_tensor(positions), as_tensor(seqs), as_tensor(tables),
                                           as_tensor(slots), self.pages, as_tensor(rows))
-        return list(zip(sampled, logits))
+        return sampled, logits
 
     def _recurrent(self, batch):
-        out = []
+        seqs, rows = [], []
         decodes = [seq for seq, n in batch if n == 1 and seq.n_computed > 0]
         if decodes:
             ids = [[seq.tokens[-1]] for seq in decodes]
-            out += zip(decodes, self._forward([seq.slot for seq in decodes], ids, 1))
+            seqs += decodes
+            rows.append(self._forward([seq.slot for seq in decodes], ids, 1))
         for seq, n in batch:
             if n > 1 or seq.n_computed == 0:
                 ids = [seq.tokens[seq.n_computed:seq.n_computed + n]]
                 logits = self._forward([seq.slot], ids, seq.n_computed)
                 if seq.n_computed + n == len(seq.tokens):
-                    out.append((seq, logits[0]))
-        return out
+                    seqs.append(seq)
+                    rows.append(logits)
+        return seqs, torch.cat(rows) if rows else torch.empty(0, self.model.vocab_size)
 
     def _forward(self, slots, ids, start):
         """Rows of ids continuing the states in `slots` (start 0: from fresh states); their last logits."""

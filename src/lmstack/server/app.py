@@ -558,6 +558,11 @@ async def _collect(service: Service, request: Request, handles) -> list[str]:
 
 async def _merged(handles):
     """(choice index, (start, end)) for the tokens each choice makes, as they come; (index, None) when it ends."""
+    if len(handles) == 1:  # one choice (most requests): its ranges as they come, without a task and a queue
+        async for span in handles[0].atoken_ranges():
+            yield 0, span
+        yield 0, None
+        return
     queue = asyncio.Queue()
 
     async def follow(i, handle):
@@ -689,7 +694,10 @@ class _EventStream(StreamingResponse):
             yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def _send_within(self, send, message):
+    async def _send_within(self, send, message, transport):
+        if transport is not None and transport.get_write_buffer_size() == 0:  # nothing queued: no write waits
+            await send(message)
+            return
         with anyio.move_on_after(self.service.send_timeout) as waited:
             await send(message)
         if waited.cancelled_caught:
@@ -704,7 +712,7 @@ class _EventStream(StreamingResponse):
             async with anyio.create_task_group() as group:
                 async def stream():
                     try:
-                        await self.stream_response(lambda message: self._send_within(send, message))
+                        await self.stream_response(lambda message: self._send_within(send, message, transport))
                     except OSError:  # the client left while we wrote
                         self.record.status = 499
                     except _Stalled:
