@@ -105,9 +105,9 @@ class Decoder:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy with no processor: choose's token is the logits' argmax, and it keeps no state, so a caller
-        may take many such rows' tokens in one argmax without calling it."""
-        return self.sampler.greedy and not self.processors
+        """Greedy with no processor and no constraint: choose's token is the logits' argmax, and it keeps no
+        state, so a caller may take many such rows' tokens in one argmax without calling it."""
+        return self.sampler.greedy and not self.processors and self.mask is None
 
     def choose(self, logits: torch.Tensor, done: torch.Tensor | None = None) -> torch.Tensor:
         x = logits.float()  # as transformers computes, and faster
