@@ -111,10 +111,9 @@ def available() -> bool:
     return True
 
 
-@functools.cache
 def loaded() -> bool:
     """Whether available() has loaded the kernels in this process: a caller that can do without them (a file's
-    read) does not start their build."""
+    read) does not start their build. Asked again each time, since the answer turns true once they load."""
     return available.cache_info().currsize > 0 and available()
 
 
