@@ -6,7 +6,7 @@ import transformers.generation.logits_process as hf
 
 from lmstack import CausalLM
 from lmstack.decoding import RepetitionPenalty
-from lmstack.sampling import Sampler, TextStream, generate_text, stream_text, text_steps
+from lmstack.sampling import ARGMAX_BLOCK, Sampler, TextStream, argmax_rows, generate_text, stream_text, text_steps
 from lmstack.tokenizer import Tokenizer
 from test_gguf import write_gguf
 
@@ -40,6 +40,21 @@ def test_same_seed_same_tokens_and_other_seeds_differ(tiny):
 def test_degenerate_sampling_equals_greedy(tiny, options):
     lm, _ = tiny
     assert torch.equal(lm.generate(PROMPTS[:2], 20, **options), lm.generate(PROMPTS[:2], 20))
+
+
+@pytest.mark.parametrize("vocab", [3, ARGMAX_BLOCK, ARGMAX_BLOCK + 1, 3 * ARGMAX_BLOCK, 49152, 32003])
+def test_argmax_rows_is_torch_argmax(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=g).round(decimals=1)  # coarse values: ties within and across blocks
+    logits[1] = logits[1].max()  # every entry a maximum: the first
+    logits[2, -1] = 100  # the maximum in the last (shorter) block
+    logits[3] = -torch.inf
+    logits[4, vocab // 2] = logits[4, -1] = torch.nan  # NaN counts above every number: the first NaN
+    logits[5, 0] = torch.nan
+    logits[6, vocab - 1] = torch.inf
+    logits[7, : vocab // 2] = -torch.inf
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(argmax_rows(logits.bfloat16()), logits.bfloat16().argmax(-1))
 
 
 @pytest.mark.parametrize("options", [

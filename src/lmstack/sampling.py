@@ -15,6 +15,24 @@ import torch
 
 
 MIN_SCALE, MAX_SCALE = 1e-30, 1e30
+ARGMAX_BLOCK = 128  # logits a row's maxima are first taken over (argmax_rows)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of (rows, vocab) logits, the same index (the first maximum, NaN above all), found through
+    the maxima of blocks of ARGMAX_BLOCK logits: PyTorch's CPU argmax over a row is scalar, 7x slower than its
+    amax, and took 0.5 ms of a 12 ms engine step of 16 rows over SmolLM2's 49152 logits. The first block holding
+    the row's maximum (or a NaN) is the argmax of the blocks' maxima, and the index is the first in that block."""
+    rows, vocab = logits.shape
+    if vocab <= ARGMAX_BLOCK:
+        return logits.argmax(-1)
+    whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    maxima = logits[:, :whole].view(rows, -1, ARGMAX_BLOCK).amax(-1)
+    if whole < vocab:  # the last, shorter block
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], 1)
+    start = maxima.argmax(-1) * ARGMAX_BLOCK
+    columns = (start[:, None] + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, columns).argmax(-1)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from .. import grammar, memory
 from ..decoding import Decoder
-from ..sampling import Sampler, TextStream
+from ..sampling import Sampler, TextStream, argmax_rows
 from ..threads import Threads, release_team
 from .kv_cache import BlockPool
 from .runner import Runner
@@ -462,7 +462,7 @@ class Engine:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
         handles = [self._handles[seq] for seq in seqs]
         # argmax of every row at once (exact, so each row's token is what its own decoder would choose)
-        argmax = logits.argmax(-1).tolist() if any(h._argmax_only for h in handles) else None
+        argmax = argmax_rows(logits).tolist() if any(h._argmax_only for h in handles) else None
         try:
             for i, (seq, handle) in enumerate(zip(seqs, handles)):
                 try:
