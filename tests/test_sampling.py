@@ -55,6 +55,7 @@ def test_argmax_rows_is_torch_argmax(vocab):
     logits[7, : vocab // 2] = -torch.inf
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
     assert torch.equal(argmax_rows(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    assert torch.equal(argmax_rows(logits[4:5]), logits[4:5].argmax(-1))
 
 
 @pytest.mark.parametrize("options", [
