@@ -740,8 +740,7 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
 // A chunk is 1 / CHUNKS_PER_THREAD of a thread's share until the last tiles, where it shrinks with what is left
 // (SHARES_LEFT chunks a thread), so that the threads reach the barrier within a small chunk of each other: a 1.7B
 // model's decode step has ~110 of these barriers, at which chunks of a fixed 1/16 of the tiles left the threads
-// idle for 3-4% of their time (fixed halves: 5.5%), these 1.1-1.5% (grain: the fewest tiles worth a thread, as
-// at::parallel_for's)
+// idle for 3-4% of their time, these 1.5% (grain: the fewest tiles worth a thread, as at::parallel_for's)
 constexpr int64_t CHUNKS_PER_THREAD = 8, SHARES_LEFT = 2;
 template <class F>
 void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
@@ -849,7 +848,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     const XBlocks xb = f32 ? XBlocks() : quantize_rows<T>(xbf, M, KB);
     // many rows (bfloat16): each tile in passes of MAX_ROWS rows, the next tile prefetched across them
     const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
-    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       float sums[MAX_ROWS][REGROUPED_TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
