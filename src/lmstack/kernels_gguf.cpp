@@ -735,18 +735,28 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
   for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
 }
 
-// f(t0, t1) over the tiles [0, tiles), handed to the threads CHUNKS_PER_THREAD at a time rather than split in
-// equal halves up front: a thread that memory or another process slows takes fewer, and the others do not wait at
-// the end for it (grain: the fewest tiles worth a thread, as at::parallel_for's)
-constexpr int64_t CHUNKS_PER_THREAD = 8;
+// f(t0, t1) over the tiles [0, tiles), handed to the threads a chunk at a time rather than split in equal halves up
+// front: a thread that memory or another process slows takes fewer, and the others do not wait at the end for it.
+// A chunk is 1 / CHUNKS_PER_THREAD of a thread's share until the last tiles, where it shrinks with what is left
+// (SHARES_LEFT chunks a thread), so that the threads reach the barrier within a small chunk of each other: a 1.7B
+// model's decode step has ~110 of these barriers, at which chunks of a fixed 1/16 of the tiles left the threads
+// idle for 3-4% of their time, these 1.5% (grain: the fewest tiles worth a thread, as at::parallel_for's)
+constexpr int64_t CHUNKS_PER_THREAD = 8, SHARES_LEFT = 2;
 template <class F>
 void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
   if (threads <= 1) return f(0, tiles);
-  const int64_t chunk = std::max(grain, tiles / (CHUNKS_PER_THREAD * threads));
+  const int64_t largest = std::max(grain, tiles / (CHUNKS_PER_THREAD * threads));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(chunk)) < tiles;) f(t0, std::min(tiles, t0 + chunk));
+    for (int64_t t0 = next.load(std::memory_order_relaxed), size;;) {
+      do {
+        if (t0 >= tiles) return;
+        size = std::clamp((tiles - t0) / (SHARES_LEFT * threads), grain, largest);
+      } while (!next.compare_exchange_weak(t0, t0 + size, std::memory_order_relaxed));
+      f(t0, std::min(tiles, t0 + size));
+      t0 = next.load(std::memory_order_relaxed);
+    }
   });
 }
 
