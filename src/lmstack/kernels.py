@@ -42,16 +42,18 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma", "gfni"}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags, as Linux lists them (none where /proc cannot be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as Linux lists them (none where /proc cannot be read); read once, since a prefill
+    asks for them at every projection (gemm_for_prefill) and a read of /proc/cpuinfo takes about 50 us."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def remove_stale_lock(lock: Path):

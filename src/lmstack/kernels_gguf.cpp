@@ -996,29 +996,16 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
 
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
-// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix
+// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
+// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a K-quant panel a row at a time,
+// then transposed into them.
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                      const std::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  auto gemm = [&](const auto& dequantize_row) {  // dequantize_row(n, b0, b1, out): row n's blocks b0..b1-1
-    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-      const int64_t stride = (kc + 31) / 32 * 32;
-      thread_local std::vector<uint16_t> rows;
-      rows.resize(PANEL * stride);
-      for (int64_t i = 0; i < PANEL; i++) {
-        uint16_t* row = rows.data() + i * stride;
-        if (n0 + i < N)
-          dequantize_row(n0 + i, k0 / QK, (k0 + kc) / QK, row);
-        else
-          std::memset(row, 0, kc * 2);
-      }
-      lmstack::pairs_of_rows(rows.data(), stride, kc, out);
-    });
-  };
-  auto regrouped = [&]<int64_t T>() {  // a panel is two tiles: each record's 16 rows at once
+  auto regrouped = [&]<int64_t T>() {
     const int64_t tiles = w.size(0);
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
@@ -1031,7 +1018,19 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
     });
   };
   auto whole = [&]<class T>() {
-    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) { whole_row<T>(wp, KB, R, n, b0, b1, out, true, 0); });
+    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+      const int64_t stride = (kc + 31) / 32 * 32;
+      thread_local std::vector<uint16_t> rows;
+      rows.resize(PANEL * stride);
+      for (int64_t i = 0; i < PANEL; i++) {
+        uint16_t* row = rows.data() + i * stride;
+        if (n0 + i < N)
+          whole_row<T>(wp, KB, R, n0 + i, k0 / QK, (k0 + kc) / QK, row, true, 0);
+        else
+          std::memset(row, 0, kc * 2);
+      }
+      lmstack::pairs_of_rows(rows.data(), stride, kc, out);
+    });
   };
   with_gguf_type(type, regrouped, whole);
   return y;
