@@ -332,6 +332,23 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
 
 
 @needs_kernels
+def test_a_bfloat16_prefill_attends_through_the_prefill_kernel(tiny_checkpoint, monkeypatch):
+    """A bf16 prompt from slot 0 with heads of 64 takes prefill_attention in every layer, and its logits are
+    PyTorch's path's (SDPA, F.linear) up to bfloat16 rounding."""
+    path, _ = tiny_checkpoint("llama_wide")
+    lm = CausalLM.load(path, weight_format="bfloat16", numeric_profile="bf16", device="cpu")
+    ids = torch.randint(0, 256, (2, 40), generator=generator)
+    calls, kernel = [], kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *args: calls.append(args) or kernel(*args))
+    fast = lm.forward(ids, lm.allocate_state(2, 48)).float()
+    assert len(calls) == len(lm.blocks)
+    monkeypatch.setattr(kernels, "gemm_for_prefill", lambda: False)
+    plain = lm.forward(ids, lm.allocate_state(2, 48)).float()
+    assert len(calls) == len(lm.blocks)
+    assert float((fast - plain).abs().max() / plain.abs().max()) < 0.03
+
+
+@needs_kernels
 def test_a_cached_build_is_loaded_as_it_is_only_while_it_was_made_from_these_sources():
     """A build whose fingerprint matches is loaded without cpp_extension (which re-checks it with ninja); one made
     from other sources (or flags) goes through cpp_extension, which rebuilds what changed, and gets a new one."""
