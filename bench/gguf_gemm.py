@@ -27,7 +27,8 @@ def main():
     for name in ["BF16", *args.types.split(",")]:
         qtype = None if name == "BF16" else Q[name]
         # the shapes whose rows are whole blocks of the type (llama.cpp's quantizer falls back to another elsewhere)
-        shapes = [(n, k) for n, k in SHAPES[args.shapes] if not qtype or k % kernels.GGUF_TYPES[qtype.value].values == 0]
+        values = kernels.GGUF_TYPES[qtype.value].values if qtype else 2
+        shapes = [(n, k) for n, k in SHAPES[args.shapes] if k % values == 0]
         packed = [kernels.pack_gguf(sane_blocks(qtype, n, k), qtype.value) for n, k in shapes] if qtype else tiled
 
         def layer(op):
@@ -45,7 +46,8 @@ def main():
             for (n, k), w in zip(shapes, packed):
                 base, new = (op.gguf_gemm(x[k], w, qtype.value, n, None) for op in ops.values())
                 assert torch.equal(base, new), f"{name} {n}x{k}: outputs differ"
-        print(f"{name:5} {len(shapes)} shapes  " + "  ".join(f"{label}: {min(t) * 1e3:7.2f} ms" for label, t in times.items()), flush=True)
+        timed = "  ".join(f"{label}: {min(t) * 1e3:7.2f} ms" for label, t in times.items())
+        print(f"{name:5} {len(shapes)} shapes  {timed}", flush=True)
 
 
 if __name__ == "__main__":

@@ -230,7 +230,8 @@ def test_prefill_attention_equals_sdpa_within_bfloat16_rounding(heads, kv_heads,
     exact = F.scaled_dot_product_attention(q.double().transpose(1, 2), k.double(), v.double(), attn_mask=mask,
                                            enable_gqa=gqa).transpose(1, 2).reshape(B, length, -1)
     reference = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask if start else None,
-                                               is_causal=not start, enable_gqa=gqa).transpose(1, 2).reshape(B, length, -1)
+                                               is_causal=not start, enable_gqa=gqa)
+    reference = reference.transpose(1, 2).reshape(B, length, -1)
     out = kernels.prefill_attention(q, k_cache, v_cache, start)
     assert out.shape == (B, length, heads * head_dim) and out.dtype == torch.bfloat16
     error = (out.double() - exact).abs()

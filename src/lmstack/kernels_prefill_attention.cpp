@@ -41,7 +41,8 @@ void value_pairs(const uint16_t* v, int64_t count, int64_t n, int64_t D, uint32_
   at::parallel_for(0, n / 2, KEYS, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; j++)
       for (int64_t d = 0; d < D; d++) {
-        const uint32_t low = 2 * j < count ? v[2 * j * D + d] : 0, high = 2 * j + 1 < count ? v[(2 * j + 1) * D + d] : 0;
+        const uint32_t low = 2 * j < count ? v[2 * j * D + d] : 0;
+        const uint32_t high = 2 * j + 1 < count ? v[(2 * j + 1) * D + d] : 0;
         out[j * D + d] = low | high << 16;
       }
   });
@@ -105,7 +106,9 @@ void attend_rows(const uint16_t* q, int64_t stride, int64_t first, const uint32_
   for (int r = 0; r < ROWS; r++) {
     float* row = s + r * n;
     const int64_t seen = first + r + 1;  // keys 0..first + r
-    auto valid = [&](int64_t key) { return (__mmask16)(seen - key >= 16 ? 0xFFFF : seen > key ? (1u << (seen - key)) - 1 : 0); };
+    auto valid = [&](int64_t key) {  // of the 16 keys from key, those the row sees
+      return (__mmask16)(seen - key >= 16 ? 0xFFFF : seen > key ? (1u << (seen - key)) - 1 : 0);
+    };
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t key = 0; key < seen; key += 16)
       top = _mm512_mask_max_ps(top, valid(key), top, _mm512_loadu_ps(row + key));
@@ -114,7 +117,8 @@ void attend_rows(const uint16_t* q, int64_t stride, int64_t first, const uint32_
     for (int64_t key = 0; key < n; key += 32) {
       __m512 e[2];
       for (int h = 0; h < 2; h++) {
-        e[h] = _mm512_maskz_mov_ps(valid(key + 16 * h), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + key + 16 * h), most)));
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(row + key + 16 * h), most);
+        e[h] = _mm512_maskz_mov_ps(valid(key + 16 * h), exp_ps(x));
         sums = _mm512_add_ps(sums, e[h]);
       }
       _mm512_storeu_si512(p + r * n + key, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -144,8 +148,10 @@ at::Tensor prefill_attention(const at::Tensor& q_, const at::Tensor& k_cache, co
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), KV = k_cache.size(1), T = k_cache.size(2);
   TORCH_CHECK(KV > 0 && H % KV == 0 && D % 32 == 0 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
                   k_cache.size(3) == D,
-              "prefill_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes(), " (head dim a multiple of 32)");
-  TORCH_CHECK(start >= 0 && start + L <= T, "prefill_attention: positions ", start, "..", start + L, " outside a cache of ", T);
+              "prefill_attention: q ", q.sizes(), " does not fit caches ", k_cache.sizes(),
+              " (head dim a multiple of 32)");
+  TORCH_CHECK(start >= 0 && start + L <= T, "prefill_attention: positions ", start, "..", start + L,
+              " outside a cache of ", T);
   const float scale = scale_ == 0.0 ? 1.0f / std::sqrt(float(D)) : float(scale_);
   at::Tensor y = at::empty({B, L, H * D}, q.options());
   const int64_t G = H / KV, n = (start + L + KEYS - 1) / KEYS * KEYS, blocks = (L + R - 1) / R, tasks = G * blocks;
