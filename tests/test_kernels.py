@@ -215,6 +215,43 @@ def test_decode_attention_does_not_depend_on_the_thread_count(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, head_dim, length, start", [
+    (9, 3, 64, 100, 0), (4, 4, 32, 37, 0), (2, 1, 128, 70, 5), (6, 2, 64, 300, 0)])
+def test_prefill_attention_equals_sdpa_within_bfloat16_rounding(heads, kv_heads, head_dim, length, start):
+    """Causal attention of many queries (rows past a task's 8, keys past a block's 32, positions after a cached
+    prefix): each output within its own rounding and its probabilities' rounding to bfloat16 of float64 SDPA, and
+    on the whole no further from it than PyTorch's bfloat16 SDPA, which rounds them too."""
+    B, T, S = 2, start + length + 7, start + length
+    q = randn(B, length, heads, head_dim)
+    k_cache, v_cache = randn(B, kv_heads, T, head_dim) * 2, randn(B, kv_heads, T, head_dim)
+    k_cache[:, :, S:] = v_cache[:, :, S:] = float("nan")  # slots past the prompt are never read
+    mask = torch.ones(length, S, dtype=torch.bool).tril(start)
+    k, v, gqa = k_cache[:, :, :S], v_cache[:, :, :S], heads != kv_heads
+    exact = F.scaled_dot_product_attention(q.double().transpose(1, 2), k.double(), v.double(), attn_mask=mask,
+                                           enable_gqa=gqa).transpose(1, 2).reshape(B, length, -1)
+    reference = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask if start else None,
+                                               is_causal=not start, enable_gqa=gqa)
+    reference = reference.transpose(1, 2).reshape(B, length, -1)
+    out = kernels.prefill_attention(q, k_cache, v_cache, start)
+    assert out.shape == (B, length, heads * head_dim) and out.dtype == torch.bfloat16
+    error = (out.double() - exact).abs()
+    assert (error <= exact.abs() * 2**-8 + float(v.abs().max()) * 2**-8).all()
+    assert error.mean() <= 1.5 * (reference.double() - exact).abs().mean()
+
+
+@needs_kernels
+def test_prefill_attention_does_not_depend_on_the_thread_count():
+    q, k_cache, v_cache = randn(1, 203, 9, 64), randn(1, 3, 210, 64), randn(1, 3, 210, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.prefill_attention(q, k_cache, v_cache, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.prefill_attention(q, k_cache, v_cache, 0), alone)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (3, 2, 2 * 37)])
 def test_silu_mul_rounds_as_the_reference(shape, dtype):
@@ -253,6 +290,10 @@ def test_bad_operands_are_refused_by_name():
         kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="length 11 outside a cache of 10"):
         kernels.decode_attention(randn(1, 1, 2, 8), randn(1, 1, 10, 8), randn(1, 1, 10, 8), 11)
+    with pytest.raises(RuntimeError, match=r"positions 0..11 outside a cache of 10"):
+        kernels.prefill_attention(randn(1, 11, 2, 32), randn(1, 1, 10, 32), randn(1, 1, 10, 32), 0)
+    with pytest.raises(RuntimeError, match="head dim a multiple of 32"):
+        kernels.prefill_attention(randn(1, 3, 2, 24), randn(1, 1, 10, 24), randn(1, 1, 10, 24), 0)
 
 
 @needs_kernels
@@ -289,6 +330,23 @@ def test_a_model_decodes_alike_with_and_without_the_kernels(tiny_checkpoint, mon
     print(f"{variant} {weight_format}/{profile or 'fp32'}: max |delta logit| / scale with and without the kernels "
           f"= {delta:.3g}")
     assert delta < (0.03 if profile == "bf16" else 1e-5)
+
+
+@needs_kernels
+def test_a_bfloat16_prefill_attends_through_the_prefill_kernel(tiny_checkpoint, monkeypatch):
+    """A bf16 prompt from slot 0 with heads of 64 takes prefill_attention in every layer, and its logits are
+    PyTorch's path's (SDPA, F.linear) up to bfloat16 rounding."""
+    path, _ = tiny_checkpoint("llama_wide")
+    lm = CausalLM.load(path, weight_format="bfloat16", numeric_profile="bf16", device="cpu")
+    ids = torch.randint(0, 256, (2, 40), generator=generator)
+    calls, kernel = [], kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *args: calls.append(args) or kernel(*args))
+    fast = lm.forward(ids, lm.allocate_state(2, 48)).float()
+    assert len(calls) == len(lm.blocks)
+    monkeypatch.setattr(kernels, "gemm_for_prefill", lambda: False)
+    plain = lm.forward(ids, lm.allocate_state(2, 48)).float()
+    assert len(calls) == len(lm.blocks)
+    assert float((fast - plain).abs().max() / plain.abs().max()) < 0.03
 
 
 @needs_kernels

@@ -26,6 +26,7 @@
 
 namespace {
 
+using lmstack::exp_ps;
 using lmstack::Prefetch;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
@@ -668,18 +669,6 @@ at::Tensor rope_into_pages(const at::Tensor& qkv, const at::Tensor& cos, const a
     });
   });
   return q;
-}
-
-// e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp)
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts, for exact reduction
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 // e^x for float64 lanes, to about 1e-15: what float32 results round from once

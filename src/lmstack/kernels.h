@@ -1,4 +1,5 @@
-// What lmstack's kernel sources share (kernels.cpp, kernels_gguf.cpp, kernels_int4.cpp, kernels_gemm.cpp).
+// What lmstack's kernel sources share (kernels.cpp, kernels_gguf.cpp, kernels_int4.cpp, kernels_gemm.cpp,
+// kernels_prefill_attention.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,18 @@ inline void store16(void* out, bool bf16, int64_t at, __m512 v) {
     _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), (__m256i)_mm512_cvtneps_pbh(v));
   else
     _mm512_storeu_ps((float*)out + at, v);
+}
+
+// e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts, for exact reduction
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
 }
 
 // The software prefetch of a stretch of a weight stream, spread evenly between the loads that use other data (the

@@ -36,22 +36,24 @@ REGROUPED_TILE = 16  # rows of w per record of the regrouped GGUF types (Q8_0, Q
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c",
          "-mfma", "-mgfni", "-fopenmp"]
 SOURCES = ("kernels.cpp", "kernels_gguf.cpp", "kernels_layer.cpp", "kernels_int4.cpp", "kernels_gemm.cpp",
-           "kernels_pack.cpp")
+           "kernels_pack.cpp", "kernels_prefill_attention.cpp")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 # what FLAGS let the compiler use
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma", "gfni"}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags, as Linux lists them (none where /proc cannot be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as Linux lists them (none where /proc cannot be read); read once, since a prefill
+    asks for them at every projection (gemm_for_prefill) and a read of /proc/cpuinfo takes about 50 us."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def remove_stale_lock(lock: Path):
@@ -195,6 +197,13 @@ def decode_attention(q, k_cache, v_cache, length: int, scale: float | None = Non
     """One query per row, no mask: q (B, 1, H, D) over cache slots 0..length-1 -> (B, 1, H * D); scores scaled by
     `scale` (None: 1/sqrt(D))."""
     return torch.ops.lmstack.decode_attention(q, k_cache, v_cache, length, scale or 0.0)
+
+
+def prefill_attention(q, k_cache, v_cache, start: int, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of many queries, all bfloat16: q (B, L, H, D) at positions start..start+L-1 over cache
+    slots 0..each one's position, caches (B, KV, T, D), D a multiple of 32; scores scaled by `scale` (None:
+    1/sqrt(D)). Returns (B, L, H * D)."""
+    return torch.ops.lmstack.prefill_attention(q, k_cache, v_cache, start, scale or 0.0)
 
 
 def paged_attention(q, k_pool, v_pool, tables, seqs, positions, window: int,

@@ -926,6 +926,32 @@ void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t 
   }
 }
 
+// Blocks of one regrouped tile (`blocks` records from rec, R bytes apart) as kernels_gemm.cpp's GEMM takes them:
+// out[p * GEMM_PANEL + r] = the 32 bits of row r's bfloat16 weights 2p, 2p + 1 of those blocks, each as
+// regrouped_row gives it. A record's registers hold 4 columns of its 16 rows, so each column's 16 weights are one
+// vector, and two columns are rounded and interleaved into their pairs in two ops: no row at a time, no transpose.
+template <int64_t T>
+void regrouped_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* out) {
+  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
+  // 16-bit element 2i of a pair: column 2p's weight of row i (the low half of a cvtne2ps_pbh), 2i + 1: column 2p + 1's
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < blocks; b++, rec += R, out += 16 * PANEL) {
+    const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
+    __m512i w[8];
+    unpack_weights<T>(rec, w);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++)
+      for (int t = 0; t < 4; t += 2) {  // columns 4g + t, 4g + t + 1: pair 2g + t / 2
+        const __m512i even = t ? _mm512_and_si512(_mm512_srli_epi32(w[g], 16), byte) : _mm512_and_si512(w[g], byte);
+        const __m512i odd = t ? _mm512_srli_epi32(w[g], 24) : _mm512_and_si512(_mm512_srli_epi32(w[g], 8), byte);
+        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(weights_of<T>(odd, d, m), weights_of<T>(even, d, m));
+        _mm512_store_si512(out + (2 * g + t / 2) * PANEL, _mm512_permutexvar_epi16(interleave, pair));
+      }
+  }
+}
+
 template <class T>
 void whole_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out, bool bf16,
                int64_t at) {
@@ -980,14 +1006,28 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
 
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
-// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix
+// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
+// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a K-quant panel a row at a time,
+// then transposed into them.
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                      const std::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  auto gemm = [&](const auto& dequantize_row) {  // dequantize_row(n, b0, b1, out): row n's blocks b0..b1-1
+  auto regrouped = [&]<int64_t T>() {
+    const int64_t tiles = w.size(0);
+    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+      for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
+        const int64_t t = (n0 + i) / REGROUPED_TILE;
+        if (t < tiles)
+          regrouped_pairs<T>(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
+        else
+          for (int64_t p = 0; p < kc / 2; p++) std::memset(out + p * PANEL + i, 0, REGROUPED_TILE * 4);
+      }
+    });
+  };
+  auto whole = [&]<class T>() {
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       const int64_t stride = (kc + 31) / 32 * 32;
       thread_local std::vector<uint16_t> rows;
@@ -995,20 +1035,12 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
       for (int64_t i = 0; i < PANEL; i++) {
         uint16_t* row = rows.data() + i * stride;
         if (n0 + i < N)
-          dequantize_row(n0 + i, k0 / QK, (k0 + kc) / QK, row);
+          whole_row<T>(wp, KB, R, n0 + i, k0 / QK, (k0 + kc) / QK, row, true, 0);
         else
           std::memset(row, 0, kc * 2);
       }
       lmstack::pairs_of_rows(rows.data(), stride, kc, out);
     });
-  };
-  auto regrouped = [&]<int64_t T>() {
-    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) {
-      regrouped_row<T>(wp, KB, R, n, b0, b1, out, true, 0);
-    });
-  };
-  auto whole = [&]<class T>() {
-    gemm([&](int64_t n, int64_t b0, int64_t b1, uint16_t* out) { whole_row<T>(wp, KB, R, n, b0, b1, out, true, 0); });
   };
   with_gguf_type(type, regrouped, whole);
   return y;

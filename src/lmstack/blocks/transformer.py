@@ -151,6 +151,9 @@ class Attention(nn.Module):
                 return self.o(torch.cat(y, dim=1))
             if L == 1:
                 return self.o(self._one_query(q, cache, end, mask))
+            if (mask is None and self.softcap is None and qkv.dtype == torch.bfloat16 and self.head_dim % 32 == 0
+                    and kernels.gemm_for_prefill()):  # (with AMX PyTorch's attention keeps it, as oneDNN the GEMMs)
+                return self.o(kernels.prefill_attention(q, cache.k, cache.v, ctx.start, self.scale))
             q, k, v = q.transpose(1, 2), cache.k[:, :, :end], cache.v[:, :, :end]
         else:
             qk = apply_rotary(qkv[:, :, :H + KV], cos, sin)  # the q and k heads in one pass

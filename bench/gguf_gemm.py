@@ -1,0 +1,54 @@
+"""Microbenchmark of a prefill's GEMM on GGUF blocks (gguf_gemm: the blocks dequantized to bfloat16 a panel at a
+time inside kernels_gemm.cpp's GEMM) against the same GEMM on bfloat16 tiles (gemm_bf16_tiled), per type, on one
+layer's shapes of SmolLM2-135M (--shapes 135m) or the SmolLM2-1.7B-shaped model (1.7b), --rows rows of x. With
+--baseline REV the kernels of git revision REV are timed beside this tree's, alternately, in one run, and their
+outputs must agree bit for bit."""
+
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_kquants import kernel_arguments, operators, sane_blocks, seconds
+
+from lmstack import kernels
+
+SHAPES = {  # (N, K) of q, k (= v), o, gate (= up), down
+    "135m": ((576, 576), (192, 576), (576, 576), (1536, 576), (576, 1536)),
+    "1.7b": ((2048, 2048), (2048, 2048), (2048, 2048), (8192, 2048), (2048, 8192)),
+}
+
+
+def main():
+    parser = kernel_arguments("Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--shapes", choices=SHAPES, default="135m")
+    parser.add_argument("--rows", type=int, default=512)
+    args = parser.parse_args()
+    ops = operators(args)
+    x = {k: torch.randn(args.rows, k).bfloat16() for _, k in SHAPES[args.shapes]}
+    tiled = [kernels.tile_int8(torch.randn(n, k).bfloat16() * 0.02) for n, k in SHAPES[args.shapes]]
+    for name in ["BF16", *args.types.split(",")]:
+        qtype = None if name == "BF16" else Q[name]
+        # the shapes whose rows are whole blocks of the type (llama.cpp's quantizer falls back to another elsewhere)
+        values = kernels.GGUF_TYPES[qtype.value].values if qtype else 2
+        shapes = [(n, k) for n, k in SHAPES[args.shapes] if k % values == 0]
+        packed = [kernels.pack_gguf(sane_blocks(qtype, n, k), qtype.value) for n, k in shapes] if qtype else tiled
+
+        def layer(op):
+            for (n, k), w in zip(shapes, packed):
+                if qtype:
+                    op.gguf_gemm(x[k], w, qtype.value, n, None)
+                else:
+                    op.gemm_bf16_tiled(x[k], w, n, None)
+
+        times = {label: [] for label in ops}
+        for _ in range(args.repeat):  # alternating, the best of each
+            for label, op in ops.items():
+                times[label].append(seconds(lambda: layer(op), 1))
+        if qtype and len(ops) == 2:
+            for (n, k), w in zip(shapes, packed):
+                base, new = (op.gguf_gemm(x[k], w, qtype.value, n, None) for op in ops.values())
+                assert torch.equal(base, new), f"{name} {n}x{k}: outputs differ"
+        timed = "  ".join(f"{label}: {min(t) * 1e3:7.2f} ms" for label, t in times.items())
+        print(f"{name:5} {len(shapes)} shapes  {timed}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
