@@ -110,7 +110,8 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
     path = resolve(model)
     if is_gguf(path):
         source = GGUFFile(path)
-        as_stored = options.get("weight_format") == "gguf" and resolve_device(options.get("device", "auto")).type == "cpu"
+        on_cpu = resolve_device(options.get("device", "auto")).type == "cpu"
+        as_stored = options.get("weight_format") == "gguf" and on_cpu
         memory.keep_prefaulted(packed_bytes(source) if as_stored else 0)  # the command's (launch.py), if any
         try:
             tokenizer = Tokenizer.from_gguf(source)
