@@ -52,3 +52,77 @@ def test_a_prefill_dequantizes_a_band_of_rows_at_a_time_with_the_same_result(pro
     # the same products, summed in another order at most: within 64 roundings of sum |x w|
     bound = 64 * torch.finfo(profile).eps * (x.double().abs() @ w.double().abs().T)
     assert ((y.double() - expected.double()).abs() <= bound).all()
+
+
+def test_prefault_hands_out_written_memory_in_order_and_frees_what_is_not_kept(monkeypatch):
+    monkeypatch.setattr(memory.Prefault, "CHUNK", 1 << 20)
+    p = memory.Prefault(64 << 20)
+    p.thread.join()
+    assert p.written == 64 << 20 and p.held() == 64 << 20
+    a, b = p.take(1000), p.take(10)
+    start = p.base
+    assert torch.frombuffer(a, dtype=torch.uint8).data_ptr() == start
+    assert torch.frombuffer(b, dtype=torch.uint8).data_ptr() == start + 1024  # aligned to 64 bytes
+    torch.frombuffer(a, dtype=torch.uint8).fill_(3)
+    assert bytes(b) == bytes(10) and p.held() == (64 << 20) - 1034
+    before = resident()
+    p.keep(2 << 20)
+    assert before - resident() >= 60 << 20  # the pages past what the load keeps are freed
+    assert p.take(3 << 20) is None and p.held() == (2 << 20) - 1034
+    assert bytes(a) == b"\x03" * 1000
+
+
+def test_prefault_thread_never_writes_over_what_was_taken(monkeypatch):
+    monkeypatch.setattr(memory.Prefault, "CHUNK", 1 << 20)
+    for size in (8 << 20, 256 << 20):  # taken behind the thread, and ahead of it
+        p = memory.Prefault(size)
+        taken = torch.frombuffer(p.take(size // 2), dtype=torch.uint8)
+        taken.fill_(7)
+        p.thread.join()
+        assert bool((taken == 7).all())
+
+
+def test_a_load_takes_its_packed_blocks_from_the_prefault_and_computes_the_same(tiny_checkpoint, tmp_path):
+    from test_gguf import write_gguf
+
+    from lmstack import models
+
+    _, reference = tiny_checkpoint("llama")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, reference, qtype=Q.Q8_0)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    plain, _ = models.load(str(path), weight_format="gguf", device="cpu")
+    p = memory.start_prefault(path.stat().st_size)
+    lm, _ = models.load(str(path), weight_format="gguf", device="cpu")
+    assert memory._prefault is None  # the load ended it
+    blocks = [m.weight for m in [*lm.blocks.modules(), lm.embed] if isinstance(m, GGUFBlocks)]
+    assert blocks and all(p.base <= w.data_ptr() < p.base + p.taken for w in blocks)
+    assert p.limit == p.taken  # nothing past what the load took is kept
+    assert torch.equal(lm.forward(ids), plain.forward(ids))
+    p = memory.start_prefault(path.stat().st_size)
+    lm, _ = models.load(str(path), weight_format="float32", device="cpu")  # nothing of it as stored
+    assert p.taken == p.limit == 0 and torch.allclose(lm.forward(ids), plain.forward(ids), atol=1e-5)
+
+
+def test_the_command_prefaults_a_gguf_only_where_it_keeps_its_blocks_on_the_cpu(tiny_checkpoint, tmp_path,
+                                                                               monkeypatch):
+    from test_gguf import write_gguf
+
+    from lmstack import launch
+
+    _, reference = tiny_checkpoint("llama")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, reference, qtype=Q.Q8_0)
+    started = []
+    monkeypatch.setattr(memory, "start_prefault", started.append)
+    for argv in (["generate", "--model", str(path), "hi"], ["chat", "-m", str(path), "--device", "cpu"],
+                 ["serve", f"--model={path}", "--weight-format", "gguf"]):
+        launch.prefault_for(argv)
+        assert started.pop() == path.stat().st_size, argv
+    for argv in ([], ["info", str(path)], ["generate", "hi"], ["generate", "--model", str(tmp_path)],
+                 ["generate", "--model", str(path), "--weight-format", "int8"],
+                 ["generate", "--model", str(path), "--device", "cuda"], ["generate", "--pipeline", "-m", str(path)],
+                 ["generate", "--model", str(tiny_checkpoint("llama")[0] / "config.json")], ["generate", "--model"],
+                 ["generate", "--mod", str(path)]):
+        launch.prefault_for(argv)
+        assert not started, argv

@@ -20,28 +20,50 @@ names the file, the field or tensor, and what was expected.
 """
 
 import gc as _gc
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
-# Importing torch makes about a million objects and no garbage: the collector's passes over them as they are made
-# took a fifth of a second of every start. It runs again once the imports are done.
-_collecting = _gc.isenabled()
-_gc.disable()
-try:
-    from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
-    from .config import FAMILIES, ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for
-    from .gguf import GGUFFile
-    from .lookup import PromptLookupError
-    from .model import CausalLM, CausalLMState
-    from .parallel import ParallelCausalLM, PipelineCausalLM
-    from .perplexity import Perplexity, perplexity
-    from .sampling import Sampler, TextStream, generate_text, stream_text
-    from .tokenizer import PATTERNS, Tokenizer, TokenizerError
-finally:
-    if _collecting:
-        _gc.enable()
+# Each name is imported from its module when first used: `lmstack generate` starts work of its own before torch
+# is imported (launch.py), and importing torch is a second of every start.
+_MODULES = {
+    "Checkpoint": "checkpoint", "CheckpointError": "checkpoint", "SafetensorsFile": "checkpoint",
+    "FAMILIES": "config", "ConfigError": "config", "HFConfig": "config", "ModelPlan": "config",
+    "UnsupportedModel": "config", "plan_for": "config", "GGUFFile": "gguf", "PromptLookupError": "lookup",
+    "CausalLM": "model", "CausalLMState": "model", "ParallelCausalLM": "parallel", "PipelineCausalLM": "parallel",
+    "Perplexity": "perplexity", "perplexity": "perplexity", "Sampler": "sampling", "TextStream": "sampling",
+    "generate_text": "sampling", "stream_text": "sampling", "PATTERNS": "tokenizer", "Tokenizer": "tokenizer",
+    "TokenizerError": "tokenizer",
+}
+__all__ = sorted(_MODULES, key=str.casefold)
 
-__all__ = [
-    "CausalLM", "CausalLMState", "Checkpoint", "CheckpointError", "ConfigError", "FAMILIES", "GGUFFile", "HFConfig",
-    "ModelPlan", "PATTERNS", "ParallelCausalLM", "Perplexity", "PipelineCausalLM", "PromptLookupError",
-    "SafetensorsFile", "Sampler", "TextStream", "Tokenizer", "TokenizerError", "UnsupportedModel", "generate_text",
-    "perplexity", "plan_for", "stream_text",
-]
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'lmstack' has no attribute {name!r}")
+    # Importing torch makes about a million objects and no garbage: the collector's passes over them as they are
+    # made took a fifth of a second of every start. It runs again once the import is done.
+    collecting = _gc.isenabled()
+    _gc.disable()
+    try:
+        value = getattr(_importlib.import_module(f".{_MODULES[name]}", __name__), name)
+    finally:
+        if collecting:
+            _gc.enable()
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_MODULES})
+
+
+class _Package(_types.ModuleType):
+    def __setattr__(self, name, value):
+        """Importing the submodule lmstack.perplexity binds it here, where `perplexity` is its function."""
+        if name == "perplexity" and isinstance(value, _types.ModuleType):
+            value = value.perplexity
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

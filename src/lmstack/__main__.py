@@ -1,5 +1,5 @@
 """`python -m lmstack`: the same command as `lmstack`."""
 
-from .cli import main
+from .launch import main
 
 raise SystemExit(main())

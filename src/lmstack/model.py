@@ -84,7 +84,7 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
     never a second copy of a whole tensor."""
     sizes = [source.info(name).shape[0] for name in names]
     n, kind = sum(sizes), kernels.GGUF_TYPES[qtype]
-    packed = torch.empty((-(-n // kind.tile), k // kind.values, kind.tile * kind.bytes), dtype=torch.uint8)
+    packed = memory.empty_bytes((-(-n // kind.tile), k // kind.values, kind.tile * kind.bytes))
     row = 0
     for name, size in zip(names, sizes):
         step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
@@ -93,6 +93,19 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
         row += size
     release_freed_memory()  # the chunks' buffers, which glibc would otherwise keep and add to
     return GGUFBlocks.from_packed(packed, qtype, n, k)
+
+
+def packed_bytes(source: GGUFFile) -> int:
+    """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type as its tiles of
+    rows (a fused projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
+    total = 0
+    for name in source.names():
+        info = source.info(name)
+        kind = next((kernels.GGUF_TYPES[t.value] for t in BLOCK_TYPES if t.name == info.dtype), None)
+        if kind is not None and len(info.shape) == 2:
+            n, k = info.shape
+            total += -(-n // kind.tile) * (k // kind.values) * kind.tile * kind.bytes + 64
+    return total
 
 
 def _gguf_bytes(source, name: str) -> int:

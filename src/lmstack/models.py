@@ -6,9 +6,10 @@ import os
 import shutil
 from pathlib import Path
 
+from . import memory
 from .checkpoint import Checkpoint
 from .gguf import GGUFFile, is_gguf
-from .model import CausalLM, resolve_device
+from .model import CausalLM, packed_bytes, resolve_device
 from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT = "smollm2"
@@ -109,8 +110,14 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
     path = resolve(model)
     if is_gguf(path):
         source = GGUFFile(path)
-        tokenizer = Tokenizer.from_gguf(source)
-        lm = model_class.load(source, progress=progress, **options)
+        on_cpu = resolve_device(options.get("device", "auto")).type == "cpu"
+        as_stored = options.get("weight_format") == "gguf" and on_cpu
+        memory.keep_prefaulted(packed_bytes(source) if as_stored else 0)  # the command's (launch.py), if any
+        try:
+            tokenizer = Tokenizer.from_gguf(source)
+            lm = model_class.load(source, progress=progress, **options)
+        finally:
+            memory.end_prefault()
     else:
         tokenizer = Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
         lm = model_class.load(path, progress=progress, **options)
