@@ -17,6 +17,8 @@ SECONDS = 60  # for every action of one call together, the child's start include
 CHILD = r"""
 import importlib, json, resource, sys
 import lmstack
+for name in lmstack.__all__:  # its names import torch and the library's modules when first used
+    getattr(lmstack, name)
 
 def address_space():
     with open("/proc/self/status") as fh:
