@@ -584,7 +584,9 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
 }
 
 // x's rows quantized for the K-quants' integer dot products as llama.cpp's Q8_K: per 256 values, the value of
-// largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale; |q| <= 127
+// largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale; |q| <= 127.
+// Block-major (row m's block b at b * M + m): the rows that one block of weights meets lie together, not a row's
+// length apart (rows 8 KiB apart share the L1's sets)
 struct XQuant {
   std::vector<int8_t> q;       // per block of 256, its 32-value groups in group_at order
   std::vector<float> d;       // per block of 256
@@ -592,13 +594,13 @@ struct XQuant {
 };
 
 template <class T>
-void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums) {
+void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums, int64_t M) {
   constexpr int64_t QK = 256, SUB = T::SUB;
   int64_t position[8];  // of each group
   for (int p = 0; p < 8; p++) position[group_at<T>(p)] = p;
   alignas(64) float v[256];
   alignas(64) int32_t sums16[16];
-  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK, sums += 16) {
+  for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK * M, sums += 16 * M) {  // M: rows of x
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < QK; i += 16) {
       const __m512 f = _mm512_castsi512_ps(
@@ -610,7 +612,7 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t*
     int64_t first = 0;
     while (first < QK - 1 && std::fabs(v[first]) != a) first++;  // llama.cpp keeps the first such value
     const float iscale = a ? -127.0f / v[first] : 0.0f;
-    d[b] = a ? 1 / iscale : 0.0f;
+    d[b * M] = a ? 1 / iscale : 0.0f;
     for (int64_t i = 0; i < QK; i += 16) {
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
@@ -675,7 +677,7 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
       for_each_block<T>(rec, [&](int r, const DotBlock<T>& u) {
         for (int64_t m = 0; m < M; m++) {
           float* a = acc + (m * TILE + r) * 16;
-          const int64_t xb = m * KB + b;
+          const int64_t xb = b * M + m;
           _mm512_storeu_ps(a, dot_superblock<T>(u, xquants + xb * 256, xscales[xb], xsums + xb * 16,
                                                 _mm512_loadu_ps(a)));
         }
@@ -873,7 +875,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     if (!f32) {
       xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
-        quantize_x<T>(xbf + m * K, K, xq.q.data() + m * K, xq.d.data() + m * KB, xq.sums.data() + m * KB * 16);
+        quantize_x<T>(xbf + m * K, K, xq.q.data() + m * 256, xq.d.data() + m, xq.sums.data() + m * 16, M);
     }
     shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
