@@ -200,17 +200,22 @@ def test_decode_attention_equals_sdpa(heads, kv_heads, head_dim, length, scale, 
     assert_rounded_once(out, exact.transpose(1, 2).reshape(B, 1, -1))
 
 
+def on_one_thread(call):
+    """call() with PyTorch's thread count set to 1."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return call()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_does_not_depend_on_the_thread_count(dtype):
     q, k_cache, v_cache = randn(2, 1, 9, 64, dtype=dtype), randn(2, 3, 1100, 64, dtype=dtype), randn(2, 3, 1100, 64,
                                                                                                    dtype=dtype)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernels.decode_attention(q, k_cache, v_cache, 1030)
-    finally:
-        torch.set_num_threads(threads)
+    alone = on_one_thread(lambda: kernels.decode_attention(q, k_cache, v_cache, 1030))
     assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, 1030), alone)
 
 
@@ -242,12 +247,7 @@ def test_prefill_attention_equals_sdpa_within_bfloat16_rounding(heads, kv_heads,
 @needs_kernels
 def test_prefill_attention_does_not_depend_on_the_thread_count():
     q, k_cache, v_cache = randn(1, 203, 9, 64), randn(1, 3, 210, 64), randn(1, 3, 210, 64)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernels.prefill_attention(q, k_cache, v_cache, 0)
-    finally:
-        torch.set_num_threads(threads)
+    alone = on_one_thread(lambda: kernels.prefill_attention(q, k_cache, v_cache, 0))
     assert torch.equal(kernels.prefill_attention(q, k_cache, v_cache, 0), alone)
 
 
