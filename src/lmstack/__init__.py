@@ -19,10 +19,11 @@ names the file, the field or tensor, and what was expected.
     KeyError                       a tensor name that a checkpoint does not hold (info, read)
 """
 
-import gc as _gc
 import importlib as _importlib
 import sys as _sys
 import types as _types
+
+from .memory import collector_paused as _collector_paused
 
 # Each name is imported from its module when first used: `lmstack generate` starts work of its own before torch
 # is imported (launch.py), and importing torch is a second of every start.
@@ -41,15 +42,8 @@ __all__ = sorted(_MODULES, key=str.casefold)
 def __getattr__(name: str):
     if name not in _MODULES:
         raise AttributeError(f"module 'lmstack' has no attribute {name!r}")
-    # Importing torch makes about a million objects and no garbage: the collector's passes over them as they are
-    # made took a fifth of a second of every start. It runs again once the import is done.
-    collecting = _gc.isenabled()
-    _gc.disable()
-    try:
+    with _collector_paused():
         value = getattr(_importlib.import_module(f".{_MODULES[name]}", __name__), name)
-    finally:
-        if collecting:
-            _gc.enable()
     globals()[name] = value
     return value
 

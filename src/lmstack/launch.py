@@ -3,7 +3,6 @@ load a GGUF file onto the CPU first starts a thread that faults in the memory it
 (memory.Prefault), on another core, then imports the rest and runs cli.main."""
 
 import argparse
-import gc
 import os
 import sys
 
@@ -14,15 +13,8 @@ LOADING = ("generate", "chat", "serve")  # the commands that load the file given
 
 def main() -> int:
     prefault_for(sys.argv[1:])
-    # Importing torch makes about a million objects and no garbage: the collector's passes over them as they are
-    # made took a fifth of a second of every start. It runs again once the imports are done.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with memory.collector_paused():
         from .cli import main as run
-    finally:
-        if collecting:
-            gc.enable()
     return run()
 
 
