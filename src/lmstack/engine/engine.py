@@ -462,11 +462,12 @@ class Engine:
                 self.pool.seal(seq.kv, seq.tokens, seq.n_computed)
         handles = [self._handles[seq] for seq in seqs]
         # argmax of every row at once (exact, so each row's token is what its own decoder would choose)
-        argmax = argmax_rows(logits).tolist() if any(h._argmax_only for h in handles) else None
+        argmax_only = [h._argmax_only for h in handles]
+        argmax = argmax_rows(logits).tolist() if any(argmax_only) else None
         try:
             for i, (seq, handle) in enumerate(zip(seqs, handles)):
                 try:
-                    token, ended = (argmax[i], False) if handle._argmax_only else handle._sample(logits[i])
+                    token, ended = (argmax[i], False) if argmax_only[i] else handle._sample(logits[i])
                 except Exception as error:  # its own constraint failed: that request ends, the others go on
                     self._end(handle, "error", EngineError(f"choosing the next token failed: {error}"))
                     continue
