@@ -81,8 +81,9 @@ def _drop_native_panic_messages():
     """Native code's writes to stderr pass through a thread that drops Rust's panic messages: a `tokenizers`
     panic on a hostile tokenizer.json prints one (a backtrace, with RUST_BACKTRACE) before the exception that
     becomes our one-line error. Python's own stderr (sys.stderr) writes to the terminal as before."""
-    others = [t for t in threading.enumerate() if t is not threading.current_thread() and t.name != "lmstack-prefault"]
-    if sys.stderr is None or sys.stderr is not sys.__stderr__ or others:  # the prefault's thread writes no stderr
+    others = [t for t in threading.enumerate()  # but the prefault's, which writes no stderr
+              if t is not threading.current_thread() and t.name != memory.PREFAULT_THREAD]
+    if sys.stderr is None or sys.stderr is not sys.__stderr__ or others:
         return
     try:
         sys.stderr.flush()

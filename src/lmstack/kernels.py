@@ -294,6 +294,12 @@ def _by_columns_of_four_back(packed: torch.Tensor, q8: bool) -> torch.Tensor:
     return (quants.to(torch.int16) - 128).to(torch.int8).view(torch.uint8) if q8 else quants
 
 
+def packed_shape(qtype: int, n: int, k: int) -> tuple:
+    """The shape of pack_gguf's records for an (n, k) matrix of GGUF type qtype."""
+    kind = GGUF_TYPES[qtype]
+    return -(-n // kind.tile), k // kind.values, kind.tile * kind.bytes
+
+
 def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, row: int = 0,
               n: int | None = None) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / tile), K / values, record
@@ -307,7 +313,7 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
     tile = kind.tile
     if available():
         if out is None:
-            out = torch.empty((-(-n // tile), raw.shape[1] // kind.bytes, tile * kind.bytes), dtype=torch.uint8)
+            out = torch.empty(packed_shape(qtype, n, raw.shape[1] // kind.bytes * kind.values), dtype=torch.uint8)
         torch.ops.lmstack.pack_gguf_into(raw.contiguous(), out, row, n, kind.bytes, kind.regrouped,
                                          len(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0)
         return out

@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import math
 import mmap
 import resource
 import threading
 
+PREFAULT_THREAD = "lmstack-prefault"  # the name of Prefault's thread, which writes no stderr (cli.py)
 
 
 @contextlib.contextmanager
@@ -26,6 +28,7 @@ def collector_paused():
     finally:
         if collecting:
             gc.enable()
+
 
 def _meminfo(*keys: str) -> int | None:
     try:
@@ -99,7 +102,6 @@ def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
-
 class Prefault:
     """An anonymous mapping whose pages a thread writes while the process does other work (importing torch takes
     one core for a second), handed out in order as the buffers of a load: a fresh page's first write is a fault,
@@ -117,7 +119,7 @@ class Prefault:
         self.written = self.taken = 0
         self.lock = threading.Lock()  # held while the thread writes a chunk
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        self.thread = threading.Thread(target=self._write, name="lmstack-prefault", daemon=True)
+        self.thread = threading.Thread(target=self._write, name=PREFAULT_THREAD, daemon=True)
         self.thread.start()
 
     def _write(self):
@@ -187,9 +189,7 @@ def empty_bytes(shape: tuple):
     """torch.empty(shape, dtype=torch.uint8) on the CPU, taken from the process's prefault while it has room."""
     import torch
 
-    nbytes = 1
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape)
     buffer = _prefault.take(nbytes) if _prefault is not None and nbytes else None
     if buffer is None:
         return torch.empty(shape, dtype=torch.uint8)

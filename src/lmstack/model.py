@@ -69,7 +69,7 @@ def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
     groups = []  # [block type or None, names]
     for name in names:
         info = source.info(name)
-        qtype = next((t.value for t in BLOCK_TYPES if t.name == info.dtype), None) if len(info.shape) == 2 else None
+        qtype = _block_type(info)
         if qtype is not None and groups and groups[-1][0] == qtype:
             groups[-1][1].append(name)
         else:
@@ -83,8 +83,8 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
     into its buffer a chunk of rows at a time: beside the packed weights only a chunk of the file's bytes is held,
     never a second copy of a whole tensor."""
     sizes = [source.info(name).shape[0] for name in names]
-    n, kind = sum(sizes), kernels.GGUF_TYPES[qtype]
-    packed = memory.empty_bytes((-(-n // kind.tile), k // kind.values, kind.tile * kind.bytes))
+    n = sum(sizes)
+    packed = memory.empty_bytes(kernels.packed_shape(qtype, n, k))
     row = 0
     for name, size in zip(names, sizes):
         step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
@@ -98,14 +98,14 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
 def packed_bytes(source: GGUFFile) -> int:
     """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type as its tiles of
     rows (a fused projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
-    total = 0
-    for name in source.names():
-        info = source.info(name)
-        kind = next((kernels.GGUF_TYPES[t.value] for t in BLOCK_TYPES if t.name == info.dtype), None)
-        if kind is not None and len(info.shape) == 2:
-            n, k = info.shape
-            total += -(-n // kind.tile) * (k // kind.values) * kind.tile * kind.bytes + 64
-    return total
+    infos = [source.info(name) for name in source.names()]
+    return sum(math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
+               for info in infos if (qtype := _block_type(info)) is not None)
+
+
+def _block_type(info) -> int | None:
+    """The ggml type id of a matrix whose blocks lmstack multiplies as stored (BLOCK_TYPES), else None."""
+    return next((t.value for t in BLOCK_TYPES if t.name == info.dtype), None) if len(info.shape) == 2 else None
 
 
 def _gguf_bytes(source, name: str) -> int:
