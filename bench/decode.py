@@ -29,8 +29,8 @@ untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, t
 what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
 file's, so the share is an effective one.
-`--cold-start` adds the seconds from starting `lmstack generate` to its exit after one token, beside llama.cpp's
-`llama-completion`. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
+`--cold-start` adds the seconds from starting `lmstack generate` to its first token (and to its exit), beside
+llama.cpp's `llama-completion`. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
 one (a second worker, the two alternating), beside llama-bench's at the same counts, and the plain read on one thread: the
 bound of that multiple where decode is bandwidth-bound.
 """
@@ -422,45 +422,61 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
 
 # ---- cold start ------------------------------------------------------------------------------------------
 
-def seconds_to_exit(command: list, env=None) -> float:
-    start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{command[0]} exited with {done.returncode}: {done.stderr[-500:]}")
-    return time.perf_counter() - start
+def seconds_to_first_token(command: list, env=None) -> tuple:
+    """(seconds to the first byte on the command's stdout, seconds to its exit): each command prints only what it
+    generates, flushed as it comes, so the first byte is its first token's text."""
+    with tempfile.TemporaryFile() as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, env=env)
+        first = None
+        while chunk := os.read(process.stdout.fileno(), 1 << 16):
+            first = first or time.perf_counter()
+        process.wait()
+        done = time.perf_counter()
+        process.stdout.close()
+        if process.returncode != 0 or first is None:
+            errors.seek(0)
+            raise RuntimeError(f"{command[0]} exited with {process.returncode}"
+                               f"{'' if first else ', printing nothing'}: {errors.read()[-500:].decode(errors='replace')}")
+    return first - start, done - start
 
 
 def cold_start(path: Path, args) -> dict:
-    """{engine: seconds} from starting a process to its exit after one greedy token of a short prompt (the load,
-    the prompt's prefill and one token: a user's wait for the first token, plus the exit): `lmstack generate` as
-    the CLI runs a GGUF (weight format gguf), and llama.cpp's `llama-completion` (--llama-completion) with its
-    defaults. Each runs once unmeasured first (lmstack's kernels compiled and cached, the file in the page cache),
-    then the two take turns; the median of --repeats."""
+    """{engine: (seconds to the first token, seconds to exit)} from starting a process that loads the file, reads a
+    short prompt and prints one greedy token: `lmstack generate` as the CLI runs a GGUF (weight format gguf), in
+    llama.cpp's arithmetic (numeric profile bf16) and in the default fp32 (each weight dequantized exactly), and
+    llama.cpp's `llama-completion` (--llama-completion) printing only what it generates, without its warm-up run
+    (a forward pass before the prompt's, on by default: off, llama.cpp's first token comes sooner). Each runs once
+    unmeasured first (lmstack's kernels compiled and cached, the file in the page cache), then they take turns;
+    the median of --repeats."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # lmstack's modules compiled once, as an installed package's are
     prompt = "The capital of France is"
-    commands = {"lmstack": [sys.executable, "-m", "lmstack", "generate", "--model", str(path), "-n", "1", "-q",
-                            prompt]}
+    lmstack = [sys.executable, "-m", "lmstack", "generate", "--model", str(path), "-n", "1", "-q", prompt]
+    commands = {"lmstack": lmstack + ["--numeric-profile", "bf16"], "lmstack fp32": lmstack}
     if args.llama_completion:
         commands["llama.cpp"] = [args.llama_completion, "-m", str(path), "-p", prompt, "-n", "1", "-t",
-                                 str(args.threads), "-no-cnv", "--temp", "0"]
+                                 str(args.threads), "-no-cnv", "--temp", "0", "--no-display-prompt", "--no-warmup"]
     for command in commands.values():
-        seconds_to_exit(command, env)
+        seconds_to_first_token(command, env)
     times = {name: [] for name in commands}
     for i in range(args.repeats):
         for name in (list(commands) if i % 2 == 0 else list(commands)[::-1]):
-            times[name].append(seconds_to_exit(commands[name], env))
-    return {name: statistics.median(values) for name, values in times.items()}
+            times[name].append(seconds_to_first_token(commands[name], env))
+    return {name: tuple(statistics.median(t[j] for t in values) for j in range(2)) for name, values in times.items()}
 
 
 def cold_start_table(results: dict) -> str:
-    lines = ["| file | lmstack generate, s | llama.cpp (llama-completion), s | lmstack / llama.cpp |",
-             "|---|--:|--:|--:|"]
+    lines = ["| file | first token, s: lmstack (bf16) | lmstack (fp32, the default) | llama.cpp (llama-completion) "
+             "| lmstack (bf16) / llama.cpp | exit, s: lmstack (bf16) | llama.cpp |",
+             "|---|--:|--:|--:|--:|--:|--:|"]
     for name, seconds in results.items():
-        peer = seconds.get("llama.cpp")
-        ours = seconds["lmstack"]
-        peer_cells = ["-", "-"] if peer is None else [f"{peer:.2f}", f"{ours / peer:.2f}x"]
-        lines.append(f"| {name} | {ours:.2f} | " + " | ".join(peer_cells) + " |")
+        (first, done), peer = seconds["lmstack"], seconds.get("llama.cpp")
+        cells = [f"{first:.2f}", f"{seconds['lmstack fp32'][0]:.2f}", "-", "-", f"{done:.2f}", "-"]
+        if peer is not None:
+            cells[2:4], cells[5] = [f"{peer[0]:.2f}", f"{first / peer[0]:.2f}x"], f"{peer[1]:.2f}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
