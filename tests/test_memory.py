@@ -1,5 +1,7 @@
 """Resident memory: caches sized for a whole context take pages only as they are written."""
 
+import threading
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -70,6 +72,31 @@ def test_prefault_hands_out_written_memory_in_order_and_frees_what_is_not_kept(m
     assert before - resident() >= 60 << 20  # the pages past what the load keeps are freed
     assert p.take(3 << 20) is None and p.held() == (2 << 20) - 1034
     assert bytes(a) == b"\x03" * 1000
+
+
+def test_prefault_keep_does_not_wait_for_a_chunk_being_written(monkeypatch):
+    monkeypatch.setattr(memory.Prefault, "CHUNK", 1 << 20)
+    memset, inside, go, calls = memory.ctypes.memset, threading.Event(), threading.Event(), []
+
+    def held_memset(address, value, n):  # the tenth chunk stays in memset until told to go on
+        calls.append(n)
+        if len(calls) == 10:
+            inside.set()
+            go.wait()
+        return memset(address, value, n)
+
+    monkeypatch.setattr(memory.ctypes, "memset", held_memset)
+    p = memory.Prefault(64 << 20)
+    assert inside.wait(10)
+    before = resident()
+    keeping = threading.Thread(target=p.keep, args=(2 << 20,), daemon=True)
+    keeping.start()
+    keeping.join(10)
+    assert not keeping.is_alive()  # it returned while the thread was writing
+    go.set()
+    p.thread.join()
+    assert p.written == 2 << 20 and p.take(3 << 20) is None
+    assert before - resident() >= 6 << 20  # the thread freed what it had written past the limit
 
 
 def test_prefault_thread_never_writes_over_what_was_taken(monkeypatch):

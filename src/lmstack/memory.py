@@ -126,20 +126,29 @@ class Prefault:
         while True:
             with self.lock:
                 if self.written >= self.stop:
+                    self._free_past_limit()
                     return
                 n = min(self.CHUNK, self.stop - self.written)
                 ctypes.memset(self.base + self.written, 0, n)
                 self.written += n
 
+    def _free_past_limit(self):
+        """Free the pages written past the limit (with the lock held)."""
+        start = -(-self.limit // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self.written > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, self.written - start)
+        self.written = min(self.written, self.limit)
+
     def keep(self, nbytes: int):
-        """The load needs only `nbytes` of it: the thread stops there, and pages written past it are freed."""
-        with self.lock:
-            self.limit = min(self.limit, max(nbytes, self.taken))
-            self.stop = min(self.stop, self.limit)
-            start = -(-self.limit // mmap.PAGESIZE) * mmap.PAGESIZE
-            if self.written > start:
-                self.map.madvise(mmap.MADV_DONTNEED, start, self.written - start)
-            self.written = min(self.written, self.limit)
+        """The load needs only `nbytes` of it: the thread stops there, and pages written past it are freed, by
+        the thread itself if it is writing a chunk (the load need not wait for it: a chunk is tens of ms)."""
+        self.limit = min(self.limit, max(nbytes, self.taken))
+        self.stop = min(self.stop, self.limit)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._free_past_limit()
+            finally:
+                self.lock.release()
 
     def held(self) -> int:
         """Bytes written and not yet handed out: resident already, and the load's to take."""
