@@ -57,7 +57,8 @@ QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
-GGUF_DENSE_BYTES = 16 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequantized for one F.linear
+GGUF_DENSE_BYTES = 4 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequantized for one F.linear (the
+# heap keeps a few freed pieces, which add to a prefill's peak: small ones, the GEMM as fast)
 INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 
