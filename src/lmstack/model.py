@@ -91,7 +91,6 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
         for start in range(0, size, step):
             kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
         row += size
-    release_freed_memory()  # the chunks' buffers, which glibc would otherwise keep and add to
     return GGUFBlocks.from_packed(packed, qtype, n, k)
 
 
