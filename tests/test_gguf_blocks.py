@@ -203,8 +203,9 @@ def test_a_row_gets_its_bits_alone_in_any_engine_step(qtype):
 @needs_kernels
 @pytest.mark.parametrize("qtype", K_QUANTS, **by_name)
 def test_bfloat16_products_do_not_depend_on_the_thread_count(qtype):
-    """Tiles handed to two threads a chunk at a time (the last one short) give each row the numbers one thread
-    gives it, for one row of x (decode) and for several."""
+    """Tiles split between two threads (each thread's share taken a chunk at a time, the back half of what is left
+    of one taken by the other once it is done with its own; the last tile short) give each row the numbers one
+    thread gives it, for one row of x (decode) and for several."""
     rows, cols = 40 * kernels.TILE - 3, 256
     packed = kernels.pack_gguf(torch.from_numpy(random_blocks(qtype, rows, cols, seed=3)), qtype.value)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4)).bfloat16()

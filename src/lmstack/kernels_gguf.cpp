@@ -737,27 +737,38 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
   for (int64_t i = 0; i < M * TILE; i++) sums[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + i * 16));
 }
 
-// f(t0, t1) over the tiles [0, tiles), handed to the threads a chunk at a time rather than split in equal halves up
-// front: a thread that memory or another process slows takes fewer, and the others do not wait at the end for it.
-// A chunk is 1 / CHUNKS_PER_THREAD of a thread's share until the last tiles, where it shrinks with what is left
-// (SHARES_LEFT chunks a thread), so that the threads reach the barrier within a small chunk of each other: a 1.7B
-// model's decode step has ~110 of these barriers, at which chunks of a fixed 1/16 of the tiles left the threads
-// idle for 3-4% of their time, these 1.5% (grain: the fewest tiles worth a thread, as at::parallel_for's)
-constexpr int64_t CHUNKS_PER_THREAD = 8, SHARES_LEFT = 2;
+// f(t0, t1) over the tiles [0, tiles): each thread walks its own contiguous share, one stream the hardware prefetcher
+// follows, a chunk at a time; a thread done with its share takes the back half of what is left of another's, so
+// that one slowed by memory or another process holds no other at the barrier. A share's bounds lie in one atomic
+// word (first tile left, in the low half; end, in the high half): the owner and a taker never claim the same tile.
 template <class F>
 void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
   if (threads <= 1) return f(0, tiles);
-  const int64_t largest = std::max(grain, tiles / (CHUNKS_PER_THREAD * threads));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t0 = next.load(std::memory_order_relaxed), size;;) {
-      do {
-        if (t0 >= tiles) return;
-        size = std::clamp((tiles - t0) / (SHARES_LEFT * threads), grain, largest);
-      } while (!next.compare_exchange_weak(t0, t0 + size, std::memory_order_relaxed));
-      f(t0, std::min(tiles, t0 + size));
-      t0 = next.load(std::memory_order_relaxed);
+  struct alignas(64) Share {
+    std::atomic<uint64_t> bounds;
+  };
+  std::vector<Share> shares(threads);
+  for (int64_t i = 0; i < threads; i++)
+    shares[i].bounds.store(uint64_t(i * tiles / threads) | uint64_t((i + 1) * tiles / threads) << 32,
+                           std::memory_order_relaxed);
+  // [t0, t1) claimed from share i, from its front (owner) or its back; false where it is empty
+  auto claim = [&](int64_t i, bool owner, int64_t& t0, int64_t& t1) {
+    uint64_t b = shares[i].bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = int64_t(b & 0xffffffffu), hi = int64_t(b >> 32), left = hi - lo;
+      if (left <= 0) return false;
+      const int64_t size = owner ? std::max<int64_t>(1, left / 4) : (left + 1) / 2;
+      t0 = owner ? lo : hi - size, t1 = t0 + size;
+      const uint64_t next = owner ? uint64_t(t1) | uint64_t(hi) << 32 : uint64_t(lo) | uint64_t(t0) << 32;
+      if (shares[i].bounds.compare_exchange_weak(b, next, std::memory_order_relaxed)) return true;
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0, t0, t1; i < i1; i++) {
+      while (claim(i, true, t0, t1)) f(t0, t1);
+      for (int64_t j = (i + 1) % threads; j != i; j = (j + 1) % threads)
+        while (claim(j, false, t0, t1)) f(t0, t1);
     }
   });
 }
