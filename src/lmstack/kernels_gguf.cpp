@@ -369,15 +369,70 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
   static float dmin(const uint8_t*) { return 0.0f; }
 };
 
+// Regrouped K-quants (Q4_K, ...): pack_gguf regroups their blocks as the 32-weight types' (see above): record
+// (tile, super-block) = the 16 rows' float16 d [and dmin], 16 lanes each, then the rest of each row's block in the
+// file's order (ROWS_AT on), 4 bytes of each row in each 64-byte chunk: chunk k holds bytes 4k..4k+3 of the rest, row
+// r's at 4r (int32 lane r). A chunk of quants thus holds 4 columns (or 8 nibbles) of the 16 rows, and one VNNI dot
+// product with x's 4 values broadcast multiplies 4 columns of all 16 rows. Each type says where its fields lie:
+// `part(rec, p, w)` unpacks part p of its quants into REGS registers of unsigned bytes (value = byte - OFFSET),
+// `column(p, i)` is the first of the 4 columns register i holds (SUB / 4 registers in a row: one sub-block),
+// `scale(rec, j)` is sub-block j's integer scale, `pair(rec, q)` the int16 pair of integers that multiplies the
+// pair q of x's sums of sub-blocks (the mins, or Q6_K's scales for its offset), and
+// `add` the float step of one super-block, each in int32 or float32 lanes of the 16 rows.
+inline __m512i chunk(const uint8_t* rec, int64_t at, int k) { return _mm512_loadu_si512(rec + at + 64 * k); }
+inline __m512i bits_of(__m512i v, int from, int count) {  // bits from..from + count - 1 of each int32 lane
+  return _mm512_and_si512(_mm512_srli_epi32(v, from), _mm512_set1_epi32((1 << count) - 1));
+}
+// Q4_K and Q5_K's 6-bit scale (mins: MIN) of sub-block j from the rest's chunks 0, 1, 2 (bytes 0..11 of a row's
+// block after d and dmin): j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high) nibble
+// of byte j + 4 and the top two bits of byte j - 4 (mins: j)
+template <bool MIN>
+inline __m512i scale_6bit(const uint8_t* rest, int j) {
+  if (j < 4) return bits_of(chunk(rest, 0, MIN), 8 * j, 6);
+  const __m512i high = _mm512_slli_epi32(bits_of(chunk(rest, 0, MIN), 8 * (j - 4) + 6, 2), 4);
+  return _mm512_or_si512(bits_of(chunk(rest, 0, 2), 8 * (j - 4) + 4 * MIN, 4), high);
+}
+
 struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
   static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true, PAIRED = true;
+  static constexpr bool MINS = true, PAIRED = false;
   static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
-  static void unpack_paired(const uint8_t* b, __m512i* q) { nibbles_paired(b + 16, q); }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
   static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
+  // regrouped: the rest = the scales (chunks 0..2), the nibbles (3..34): weight 64c + l (l < 32) the low nibble of
+  // byte 32c + l, 64c + 32 + l its high nibble
+  static constexpr int64_t ROWS_AT = 4 * REGROUPED_TILE;
+  static constexpr int PARTS = 4, REGS = 16, PAIRS = 4;
+  // part p: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 3 + 8 * p + g);
+      w[g] = _mm512_and_si512(v, low), w[8 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+  static constexpr int column(int p, int i) { return 64 * p + 32 * (i / 8) + 4 * (i % 8); }
+  static __m512i scale(const uint8_t* rec, int j) { return scale_6bit<false>(rec + ROWS_AT, j); }
+  static __m512i pair(const uint8_t* rec, int q) {  // (min 2q, min 2q + 1)
+    const uint8_t* rest = rec + ROWS_AT;
+    return _mm512_or_si512(scale_6bit<true>(rest, 2 * q), _mm512_slli_epi32(scale_6bit<true>(rest, 2 * q + 1), 16));
+  }
+  // acc + one row of x's terms: d * d_x * (sum_j sc_j * dot_j) - dmin * d_x * (sum_j mn_j * sum(x_j))
+  static __m512 add(const uint8_t* rec, __m512 acc, __m512i isum, __m512i pair_sums, float xd) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scales16(rec), _mm512_set1_ps(xd)), acc);
+    const __m512 dmin = scales16(rec + 2 * REGROUPED_TILE);
+    return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(pair_sums), _mm512_mul_ps(dmin, _mm512_set1_ps(xd)), acc);
+  }
+  // sub-block j's float32 factors: scale (d * sc) and min (dmin * mn), for `weights`
+  static void factors(const uint8_t* rec, int j, __m512& scale_f, __m512& min_f) {
+    scale_f = _mm512_mul_ps(scales16(rec), _mm512_cvtepi32_ps(scale(rec, j)));
+    min_f = _mm512_mul_ps(scales16(rec + 2 * REGROUPED_TILE), _mm512_cvtepi32_ps(scale_6bit<true>(rec + ROWS_AT, j)));
+  }
+  static __m512 weights(__m512 scale_f, __m512 min_f, __m512i q) {  // as gguf.quants.dequantize: (d * sc) * q - dmin * mn
+    return _mm512_sub_ps(_mm512_mul_ps(scale_f, _mm512_cvtepi32_ps(q)), min_f);
+  }
 };
 
 struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
@@ -762,6 +817,149 @@ void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
   });
 }
 
+// ---- regrouped K-quants' kernels ---------------------------------------------------------------------
+
+// acc + the dot products of int16 pairs: w's pairs times x's 2 int16, broadcast from memory
+inline __m512i dot_pairs_broadcast(__m512i acc, __m512i w, const int16_t* x) {
+  asm("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t*)x), "v"(w));
+  return acc;
+}
+
+// dot products of rows m0..m0 + rows - 1 of quantized x (M rows, block-major) with the 16 rows of one regrouped
+// K-quant tile (KB records from rec), as llama.cpp's vec_dot for the type: per row of x and super-block, each
+// sub-block's VNNI dot products of the unsigned quants into a fresh int32 lane sum per weight row, times that row's
+// sub-block scale, summed in int32; the pairs' term (mins times x's sub-block sums, or Q6_K's offset) in int32 by
+// vpdpwssd; then one float step per super-block (T::add) into out[i]'s 16 lanes. Each part of a record is unpacked
+// once for all the rows, and each row's steps are the same whatever the rows beside it. Prefetch as dot_q8_tile.
+template <class T>
+void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows, const uint8_t* rec, int64_t KB,
+                float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
+  constexpr int64_t R = REGROUPED_TILE * T::BYTES;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;  // registers of a sub-block, sub-blocks of a part
+  alignas(64) int32_t isum[MAX_ROWS][REGROUPED_TILE];
+  for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(out[i], _mm512_setzero_ps());
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    if (ahead)
+      ahead->step();
+    else
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS], sc[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) sc[s] = T::scale(rec, T::column(p, G * s) / T::SUB);
+      for (int64_t i = 0; i < rows; i++) {
+        const int8_t* xq = x.q.data() + (b * M + m0 + i) * 256;
+        // each sub-block's dot products in two chains, the sub-blocks' chains interleaved: 2 * SUBS at once
+        __m512i dot[SUBS][2];
+#pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+          for (int s = 0; s < SUBS; s++) {
+            const __m512i prior = g < 2 ? _mm512_setzero_si512() : dot[s][g % 2];
+            dot[s][g % 2] = dot_broadcast(prior, w[G * s + g], xq + T::column(p, G * s + g));
+          }
+        __m512i sum = p ? _mm512_load_si512(isum[i]) : _mm512_setzero_si512();
+        for (int s = 0; s < SUBS; s++)
+          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_add_epi32(dot[s][0], dot[s][1]), sc[s]));
+        _mm512_store_si512(isum[i], sum);
+      }
+    }
+    __m512i pairs[T::PAIRS];
+    for (int q = 0; q < T::PAIRS; q++) pairs[q] = T::pair(rec, q);
+    for (int64_t i = 0; i < rows; i++) {
+      const int64_t xb = b * M + m0 + i;
+      __m512i pair_sums = _mm512_setzero_si512();
+      for (int q = 0; q < T::PAIRS; q++)
+        pair_sums = dot_pairs_broadcast(pair_sums, pairs[q], x.sums.data() + xb * 16 + 2 * q);
+      const __m512 acc = T::add(rec, _mm512_loadu_ps(out[i]), _mm512_load_si512(isum[i]), pair_sums, x.d[xb]);
+      _mm512_storeu_ps(out[i], acc);
+    }
+  }
+}
+
+// dot products of one float32 row x (KB * 256) with the 16 rows of one regrouped K-quant tile: each column's 16
+// weights as gguf.quants.dequantize gives them (T::weights) times x's value, in four float32 sums by column mod 4
+template <class T>
+void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+  constexpr int64_t R = REGROUPED_TILE * T::BYTES;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < KB; b++, rec += R, x += 256) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS];
+      __m512 scale_f[SUBS], min_f[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+#pragma GCC unroll 16
+      for (int i = 0; i < T::REGS; i++)
+        for (int t = 0; t < 4; t++) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t), _mm512_set1_epi32(0xFF));
+          const __m512 weight = T::weights(scale_f[i / G], min_f[i / G], q);
+          acc[t] = _mm512_fmadd_ps(weight, _mm512_set1_ps(x[T::column(p, i) + t]), acc[t]);
+        }
+    }
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+// Row r's block of a regrouped K-quant record, as the file stores it
+template <class T>
+void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
+  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE);  // float16 fields
+  for (int64_t f = 0; f < fields; f++) std::memcpy(block + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+  uint8_t* rest = block + (T::D_AT ? 0 : 2 * fields);
+  for (int64_t k = 0; k < (T::BYTES - 2 * fields) / 4; k++) std::memcpy(rest + 4 * k, rec + T::ROWS_AT + 64 * k + 4 * r, 4);
+}
+
+// Row n's blocks b0..b1-1 of a regrouped K-quant matrix, dequantized as whole_row dequantizes a kept block
+template <class T>
+void regrouped_k_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
+                     bool bf16, int64_t at) {
+  const uint8_t* rec = wp + ((n / REGROUPED_TILE) * KB + b0) * R;
+  alignas(64) uint8_t block[256];
+  for (int64_t b = b0; b < b1; b++, rec += R) {
+    block_of_row<T>(rec, n % REGROUPED_TILE, block);
+    const int64_t to = at + (b - b0) * T::QK;
+    if (bf16)
+      dequant_block_bf16<T>(block, static_cast<uint16_t*>(out) + to);
+    else
+      dequant_block<T>(block, static_cast<float*>(out) + to);
+  }
+}
+
+// Records of one regrouped K-quant tile as kernels_gemm.cpp's GEMM takes them (as regrouped_pairs): each column's
+// 16 weights one vector (T::weights, the values dequant_block_bf16 gives), two columns rounded and
+// interleaved into their pairs
+template <class T>
+void regrouped_k_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* out) {
+  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < blocks; b++, rec += R, out += T::QK / 2 * PANEL) {
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS];
+      __m512 scale_f[SUBS], min_f[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+#pragma GCC unroll 16
+      for (int i = 0; i < T::REGS; i++) {
+        const int c = T::column(p, i);
+        for (int t = 0; t < 4; t += 2) {  // columns c + t, c + t + 1: pair (c + t) / 2
+          const __m512i even = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t), byte);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t + 8), byte);
+          const __m512 low = T::weights(scale_f[i / G], min_f[i / G], even);
+          const __m512 high = T::weights(scale_f[i / G], min_f[i / G], odd);
+          const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+          _mm512_store_si512(out + (c + t) / 2 * PANEL, _mm512_permutexvar_epi16(interleave, pair));
+        }
+      }
+    }
+  }
+}
+
 // ---- the table of types ------------------------------------------------------------------------
 
 struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, bytes of one (tile, block) record
@@ -771,10 +969,14 @@ struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, by
 };
 constexpr TypeInfo regrouped(int64_t id, const char* name) { return {id, name, 32, REGROUPED_TILE, record_bytes(id)}; }
 template <class T>
+constexpr TypeInfo regrouped_k(const char* name) {
+  return {T::ID, name, T::QK, REGROUPED_TILE, REGROUPED_TILE * T::BYTES};
+}
+template <class T>
 constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE, TILE * T::BYTES}; }
 constexpr TypeInfo TYPES[] = {
     regrouped(Q8_0, "Q8_0"),  regrouped(Q4_0, "Q4_0"),  regrouped(Q4_1, "Q4_1"),  regrouped(Q5_0, "Q5_0"),
-    regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), kept_whole<Q4_K>("Q4_K"),
+    regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), regrouped_k<Q4_K>("Q4_K"),
     kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
@@ -783,10 +985,10 @@ const TypeInfo& type_info(int64_t type) {
   TORCH_CHECK(false, "gguf kernels: ggml type ", type, " has no kernel");
 }
 
-// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, whole.operator()<struct> for
-// the K-quants
-template <typename Regrouped, typename Whole>
-void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole) {
+// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, regrouped_k.operator()<struct>
+// for Q4_K, whole.operator()<struct> for the K-quants kept whole
+template <typename Regrouped, typename RegroupedK, typename Whole>
+void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& regrouped_k, const Whole& whole) {
   switch (type) {
     case Q8_0: return regrouped.template operator()<Q8_0>();
     case Q4_0: return regrouped.template operator()<Q4_0>();
@@ -795,7 +997,7 @@ void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole
     case Q5_1: return regrouped.template operator()<Q5_1>();
     case Q2_K::ID: return whole.template operator()<Q2_K>();
     case Q3_K::ID: return whole.template operator()<Q3_K>();
-    case Q4_K::ID: return whole.template operator()<Q4_K>();
+    case Q4_K::ID: return regrouped_k.template operator()<Q4_K>();
     case Q5_K::ID: return whole.template operator()<Q5_K>();
     case Q6_K::ID: return whole.template operator()<Q6_K>();
   }
@@ -870,13 +1072,42 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       }
     });
   };
-  auto whole = [&]<class T>() {
+  // x quantized as llama.cpp's Q8_K for the K-quants, block-major (none for float32 x)
+  auto quantized = [&]<class T>() {
     XQuant xq;
     if (!f32) {
       xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
         quantize_x<T>(xbf + m * K, K, xq.q.data() + m * 256, xq.d.data() + m, xq.sums.data() + m * 16, M);
     }
+    return xq;
+  };
+  auto regrouped_k = [&]<class T>() {
+    const XQuant xq = quantized.template operator()<T>();
+    // as `regrouped`, the tiles shared as shared_tiles hands them out
+    const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
+    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
+      float sums[MAX_ROWS][REGROUPED_TILE];
+      for (int64_t t = t0; t < t1; t++) {
+        const uint8_t* rec = wp + t * KB * R;
+        const int64_t n = t * REGROUPED_TILE, rows = std::min(REGROUPED_TILE, N - n);
+        lmstack::Prefetch next(rec + KB * R, KB * R, (R + passes - 1) / passes);
+        lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+          const int64_t block = std::min<int64_t>(MAX_ROWS, M - m0);
+          if (f32) {
+            for (int64_t i = 0; i < block; i++)
+              dot_k_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
+          } else {
+            dot_k_tile<T>(xq, M, m0, block, rec, KB, sums, ahead);
+          }
+          for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
+        }
+      }
+    });
+  };
+  auto whole = [&]<class T>() {
+    const XQuant xq = quantized.template operator()<T>();
     shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
       std::vector<float> acc(M * TILE * 16);
@@ -887,7 +1118,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       }
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return y;
 }
 
@@ -997,12 +1228,17 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
       for (int64_t i = i0; i < i1; i++) regrouped_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
+  auto regrouped_k = [&]<class T>() {
+    at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) regrouped_k_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
+    });
+  };
   auto whole = [&]<class T>() {
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; i++) whole_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return out;
 }
 
@@ -1017,18 +1253,21 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  auto regrouped = [&]<int64_t T>() {
+  // a panel is two tiles of 16 rows, each record's rows at once (`pairs`: regrouped_pairs or regrouped_k_pairs)
+  auto panels = [&](const auto& pairs) {
     const int64_t tiles = w.size(0);
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
         const int64_t t = (n0 + i) / REGROUPED_TILE;
         if (t < tiles)
-          regrouped_pairs<T>(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
+          pairs(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
         else
           for (int64_t p = 0; p < kc / 2; p++) std::memset(out + p * PANEL + i, 0, REGROUPED_TILE * 4);
       }
     });
   };
+  auto regrouped = [&]<int64_t T>() { panels(regrouped_pairs<T>); };
+  auto regrouped_k = [&]<class T>() { panels(regrouped_k_pairs<T>); };
   auto whole = [&]<class T>() {
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       const int64_t stride = (kc + 31) / 32 * 32;
@@ -1044,7 +1283,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
       lmstack::pairs_of_rows(rows.data(), stride, kc, out);
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return y;
 }
 
