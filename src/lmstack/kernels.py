@@ -259,7 +259,7 @@ GGUF_TYPES = {  # ggml type id -> its BlockType
     11: BlockType("Q3_K", 256, 110, (108,)),
     12: BlockType("Q4_K", 256, 144, (0, 2), regrouped=True),
     13: BlockType("Q5_K", 256, 176, (0, 2)),
-    14: BlockType("Q6_K", 256, 210, (208,)),
+    14: BlockType("Q6_K", 256, 210, (208,), regrouped=True),
 }
 Q8_0 = 8
 FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales

@@ -474,6 +474,42 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
   static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t*) { return 0.0f; }
+  // regrouped: d, then the rest = the low nibbles (chunks 0..31), the high bits (32..47), the scales (48..51)
+  static constexpr int64_t ROWS_AT = 2 * REGROUPED_TILE;
+  static constexpr int PARTS = 4, REGS = 16, PAIRS = 8;
+  // part p = 2h + s: w[g] columns 128h + 32s + 4g (the low nibbles of chunk 16h + 8s + g, high bits 2s of chunk
+  // 32 + 8h + g), w[8 + g] columns 128h + 64 + 32s + 4g (its high nibbles, high bits 2s + 4)
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const int h = p / 2, s = p % 2;
+    const __m512i low_bits = _mm512_set1_epi64(move_bits(2 * s, 4, 2)), high_bits = _mm512_set1_epi64(move_bits(2 * s + 4, 4, 2));
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 16 * h + 8 * s + g), high = chunk(rec, ROWS_AT, 32 + 8 * h + g);
+      w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bits, 0));
+      w[8 + g] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, high_bits, 0));
+    }
+  }
+  static constexpr int column(int p, int i) { return 128 * (p / 2) + 32 * (p % 2) + 64 * (i / 8) + 4 * (i % 8); }
+  static __m512i scale(const uint8_t* rec, int j) {  // int8 sc_j: byte j % 4 of chunk 48 + j / 4
+    return _mm512_srai_epi32(_mm512_slli_epi32(chunk(rec, ROWS_AT, 48 + j / 4), 24 - 8 * (j % 4)), 24);
+  }
+  // pair 2c: (sc_4c, sc_4c+2), pair 2c + 1: (sc_4c+1, sc_4c+3), the int16 halves of chunk 48 + c's lanes; x's sums
+  // in that order (sum_slot)
+  static __m512i pair(const uint8_t* rec, int q) {
+    const __m512i v = chunk(rec, ROWS_AT, 48 + q / 2);
+    return q % 2 ? _mm512_srai_epi16(v, 8) : _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+  }
+  static constexpr int sum_slot(int j) { return j % 4 == 1 ? j + 1 : j % 4 == 2 ? j - 1 : j; }
+  // acc + one row of x's terms: d * d_x * (sum_j sc_j * dot_j - 32 * sum_j sc_j * sum(x_j))
+  static __m512 add(const uint8_t* rec, __m512 acc, __m512i isum, __m512i pair_sums, float xd) {
+    const __m512i exact = _mm512_sub_epi32(isum, _mm512_slli_epi32(pair_sums, 5));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(scales16(rec), _mm512_set1_ps(xd)), acc);
+  }
+  static void factors(const uint8_t* rec, int j, __m512& scale_f, __m512& min_f) {
+    scale_f = _mm512_mul_ps(scales16(rec), _mm512_cvtepi32_ps(scale(rec, j))), min_f = _mm512_setzero_ps();
+  }
+  static __m512 weights(__m512 scale_f, __m512, __m512i q) {  // as gguf.quants.dequantize: (d * sc) * (q - 32)
+    return _mm512_mul_ps(scale_f, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(OFFSET))));
+  }
 };
 
 // one row's block, unpacked once for every row of x it meets
@@ -645,8 +681,18 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
 struct XQuant {
   std::vector<int8_t> q;       // per block of 256, its 32-value groups in group_at order
   std::vector<float> d;       // per block of 256
-  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values, then zeros
+  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values (sum_slot),
+                              // then zeros
 };
+
+// where x's sum over sub-block j lies among a block's 16 (the order of T::pair's, where the type says)
+template <class T>
+constexpr int sum_slot(int j) {
+  if constexpr (requires { T::sum_slot(0); })
+    return j < T::QK / T::SUB ? T::sum_slot(j) : j;
+  else
+    return j;
+}
 
 template <class T>
 void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums, int64_t M) {
@@ -677,7 +723,7 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t*
     for (int64_t j = 0; j < 16; j++) {
       int32_t s = 0;
       for (int64_t i = j * SUB / 16; i < (j + 1) * SUB / 16 && j < QK / SUB; i++) s += sums16[i];
-      sums[j] = int16_t(s);  // |s| <= 127 * 32
+      sums[sum_slot<T>(j)] = int16_t(s);  // |s| <= 127 * 32
     }
   }
 }
@@ -977,7 +1023,7 @@ constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TI
 constexpr TypeInfo TYPES[] = {
     regrouped(Q8_0, "Q8_0"),  regrouped(Q4_0, "Q4_0"),  regrouped(Q4_1, "Q4_1"),  regrouped(Q5_0, "Q5_0"),
     regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), regrouped_k<Q4_K>("Q4_K"),
-    kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
+    kept_whole<Q5_K>("Q5_K"), regrouped_k<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
   for (const TypeInfo& t : TYPES)
@@ -986,7 +1032,7 @@ const TypeInfo& type_info(int64_t type) {
 }
 
 // f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, regrouped_k.operator()<struct>
-// for Q4_K, whole.operator()<struct> for the K-quants kept whole
+// for Q4_K and Q6_K, whole.operator()<struct> for the K-quants kept whole
 template <typename Regrouped, typename RegroupedK, typename Whole>
 void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& regrouped_k, const Whole& whole) {
   switch (type) {
@@ -999,7 +1045,7 @@ void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& 
     case Q3_K::ID: return whole.template operator()<Q3_K>();
     case Q4_K::ID: return regrouped_k.template operator()<Q4_K>();
     case Q5_K::ID: return whole.template operator()<Q5_K>();
-    case Q6_K::ID: return whole.template operator()<Q6_K>();
+    case Q6_K::ID: return regrouped_k.template operator()<Q6_K>();
   }
   type_info(type);  // refuses it by id
 }
