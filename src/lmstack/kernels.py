@@ -258,7 +258,7 @@ GGUF_TYPES = {  # ggml type id -> its BlockType
     10: BlockType("Q2_K", 256, 84, (80, 82)),
     11: BlockType("Q3_K", 256, 110, (108,)),
     12: BlockType("Q4_K", 256, 144, (0, 2), regrouped=True),
-    13: BlockType("Q5_K", 256, 176, (0, 2)),
+    13: BlockType("Q5_K", 256, 176, (0, 2), regrouped=True),
     14: BlockType("Q6_K", 256, 210, (208,), regrouped=True),
 }
 Q8_0 = 8

@@ -250,18 +250,6 @@ inline void nibbles_by_32(const uint8_t* p, __m512i* q) {
   }
 }
 
-// The same nibbles as two loads split them, for the integer dot products: the low nibbles of load h hold 32-weight
-// groups 4h (bytes 0..31) and 4h + 2 (bytes 32..63), its high nibbles 4h + 1 and 4h + 3; x is quantized in that
-// order of groups (group_at), which saves putting the weights back in theirs
-constexpr int PAIRED_GROUPS[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-inline void nibbles_paired(const uint8_t* p, __m512i* q) {
-  const __m512i low = _mm512_set1_epi8(15);
-  for (int h = 0; h < 2; h++) {
-    const __m512i v = _mm512_loadu_si512(p + 64 * h);
-    q[2 * h] = _mm512_and_si512(v, low), q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-  }
-}
-
 // Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, in each 128-bit lane of v, as
 // bytes: the scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low
 // (mins: high) nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
@@ -282,14 +270,6 @@ inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block 
   const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
   return _mm256_cvtepu8_epi16(_mm512_castsi512_si128(scales_mins_6bit(v)));
 }
-// four blocks' (s, s + stride, ...), block r's in lane r
-inline __m512i scales_mins_6bit(const uint8_t* s, int64_t stride) {
-  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + stride)), 1);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 2 * stride)), 2);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 3 * stride)), 3);
-  return scales_mins_6bit(v);
-}
 // the eight scales (half 0) or mins (half 1) of them, zeros past: one computation shared by both calls
 template <int HALF>
 inline __m256i scales_6bit(const uint8_t* s) {
@@ -308,16 +288,15 @@ constexpr uint64_t move_bits(int from, int to, int count) {
 inline __m512i nibble_with(__m512i v, __m512i high) {
   return _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(15), 0xE4);
 }
-// Q5_K's fifth bits brought to bit 4, for each register of unpack (paired: of unpack_paired): its low half's
-// group's bit, its high half's
+// Q5_K's fifth bits brought to bit 4, for each register of unpack: its low half's group's bit, its high half's
 struct FifthBits {
   alignas(64) uint64_t at[4][8];
-  constexpr FifthBits(bool paired) : at() {
+  constexpr FifthBits() : at() {
     for (int c = 0; c < 4; c++)
-      for (int i = 0; i < 8; i++) at[c][i] = move_bits(paired ? PAIRED_GROUPS[2 * c + i / 4] : 2 * c + i / 4, 4, 1);
+      for (int i = 0; i < 8; i++) at[c][i] = move_bits(2 * c + i / 4, 4, 1);
   }
 };
-constexpr FifthBits FIFTH_BITS{false}, FIFTH_BITS_PAIRED{true};
+constexpr FifthBits FIFTH_BITS{};
 inline __m512i lanes(const uint64_t* m) { return _mm512_load_si512(m); }
 
 // Q6_K's two high bits brought to bits 4, 5: of weights 32t + l at bits 2t, for t = 0, 1 (register 0: low half,
@@ -333,7 +312,7 @@ constexpr HighBits HIGH_BITS{};
 
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
   static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0, D_AT = 80;
-  static constexpr bool MINS = true, PAIRED = false;
+  static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
@@ -350,7 +329,7 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
 
 struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales (- 32) per 16 weights, d
   static constexpr int64_t ID = 11, QK = 256, BYTES = 110, SUB = 16, OFFSET = 4, D_AT = 108;
-  static constexpr bool MINS = false, PAIRED = false;
+  static constexpr bool MINS = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // q = low 2 bits + 4 * high bit: value q - 4
     for (int c = 0; c < 4; c++) {
       const __m512i low = fields(b + 32 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
@@ -393,26 +372,11 @@ inline __m512i scale_6bit(const uint8_t* rest, int j) {
   return _mm512_or_si512(bits_of(chunk(rest, 0, 2), 8 * (j - 4) + 4 * MIN, 4), high);
 }
 
-struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
-  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true, PAIRED = false;
-  static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
-  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
-  static float d(const uint8_t* b) { return half_at(b + D_AT); }
-  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
-  // regrouped: the rest = the scales (chunks 0..2), the nibbles (3..34): weight 64c + l (l < 32) the low nibble of
-  // byte 32c + l, 64c + 32 + l its high nibble
+// Q4_K and Q5_K regrouped: d, dmin, then the rest, which starts with their scales and mins (chunks 0..2); part p of
+// the quants: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
+struct MinsRows {
   static constexpr int64_t ROWS_AT = 4 * REGROUPED_TILE;
   static constexpr int PARTS = 4, REGS = 16, PAIRS = 4;
-  // part p: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
-  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
-    const __m512i low = _mm512_set1_epi8(15);
-    for (int g = 0; g < 8; g++) {
-      const __m512i v = chunk(rec, ROWS_AT, 3 + 8 * p + g);
-      w[g] = _mm512_and_si512(v, low), w[8 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-  }
   static constexpr int column(int p, int i) { return 64 * p + 32 * (i / 8) + 4 * (i % 8); }
   static __m512i scale(const uint8_t* rec, int j) { return scale_6bit<false>(rec + ROWS_AT, j); }
   static __m512i pair(const uint8_t* rec, int q) {  // (min 2q, min 2q + 1)
@@ -435,33 +399,54 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128
   }
 };
 
-struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
+struct Q4_K : MinsRows {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
+  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
+  static constexpr bool MINS = true;
+  static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
+  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
+  // regrouped: the nibbles in chunks 3..34: weight 64c + l (l < 32) the low nibble of byte 32c + l, 64c + 32 + l
+  // its high nibble
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 3 + 8 * p + g);
+      w[g] = _mm512_and_si512(v, low), w[8 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+};
+
+struct Q5_K : MinsRows {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
   static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true, PAIRED = true;
+  static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
     nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32
     const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(q[c], _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[c]), 0));
   }
-  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j of its
-    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));  // byte of the 32
-    for (int h = 0; h < 2; h++) {                                                              // at b + 16
-      const __m512i v = _mm512_loadu_si512(b + 48 + 64 * h);
-      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h]), 0));
-      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4),
-                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h + 1]), 0));
-    }
-  }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
   static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
+  // regrouped: the high bits in chunks 3..10, the nibbles in 11..42 (as Q4_K's); part p's fifth bits: bit 2p (low
+  // nibbles) and 2p + 1 (high) of chunk 3 + g
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const __m512i low_bit = _mm512_set1_epi64(move_bits(2 * p, 4, 1)), high_bit = _mm512_set1_epi64(move_bits(2 * p + 1, 4, 1));
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 11 + 8 * p + g), high = chunk(rec, ROWS_AT, 3 + g);
+      w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bit, 0));
+      w[8 + g] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, high_bit, 0));
+    }
+  }
 };
+
 
 struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16 weights, d: w = d*sc*(q - 32)
   static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
-  static constexpr bool MINS = false, PAIRED = false;
+  static constexpr bool MINS = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
     for (int h = 0; h < 2; h++) {                    // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
       const __m512i v = _mm512_loadu_si512(b + 64 * h);  // brought to bits 4, 5
@@ -580,24 +565,14 @@ inline void dequant_block_bf16(const uint8_t* b, uint16_t* out) {
   }
 }
 
-// the 32-weight group of a block that position p (weights 32p..32p+31 of its registers) of the dot products holds
-template <class T>
-constexpr int group_at(int p) { return T::PAIRED ? PAIRED_GROUPS[p] : p; }
-
 // for each register c of DotBlock's quants, the index of the sub-block of each pair of quants (2i, 2i + 1): which of
-// the 16-bit scales multiplies that pair's 16-bit product sum; as bytes, the shuffle that takes it from a lane of
-// scales_mins_6bit's bytes (low byte: the scale, high byte: zero)
+// the 16-bit scales multiplies that pair's 16-bit product sum
 template <class T>
 struct PairSubBlocks {
   alignas(64) int16_t lanes[4][32];
-  alignas(64) int8_t bytes[4][64];
-  constexpr PairSubBlocks() : lanes(), bytes() {
+  constexpr PairSubBlocks() : lanes() {
     for (int c = 0; c < 4; c++)
-      for (int i = 0; i < 32; i++) {
-        const int at = 64 * c + 2 * i;
-        lanes[c][i] = int16_t((32 * group_at<T>(at / 32) + at % 32) / T::SUB);
-        bytes[c][2 * i] = int8_t(lanes[c][i]), bytes[c][2 * i + 1] = -128;
-      }
+      for (int i = 0; i < 32; i++) lanes[c][i] = int16_t((64 * c + 2 * i) / T::SUB);
   }
 };
 template <class T>
@@ -606,25 +581,15 @@ constexpr PairSubBlocks<T> PAIR_SUB_BLOCKS{};
 // one row's block as the integer dot products take it, prepared once for every row of x it meets
 template <class T>
 struct DotBlock {
-  __m512i q[4];  // 64 quants each, their 32-weight groups in group_at order
+  __m512i q[4];  // 64 quants each
   __m512i pairs[4];  // the 16-bit scale of each pair of quants in q
-  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last (Q4_K, Q5_K: no sc,
-                   // the mins twice)
+  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last
   __m512 scale;  // with mins: d in lanes 0..7, -dmin in 8..15; else d in every lane
   // with PAIR_SUB_BLOCKS' lanes in `index`
   DotBlock(const uint8_t* b, const __m512i* index) : sc(T::scales(b)), mn(T::mins(b)) {
-    static_assert(!T::PAIRED);
     T::unpack(b, q);
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_permutexvar_epi16(index[c], _mm512_castsi256_si512(sc));
     scale = float_scales(b);
-  }
-  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`, and `scale`
-  DotBlock(const uint8_t* b, __m512i decoded, __m512 scale) : sc(_mm256_setzero_si256()), scale(scale) {
-    T::unpack_paired(b, q);
-    for (int c = 0; c < 4; c++) pairs[c] = _mm512_shuffle_epi8(decoded, _mm512_load_si512(PAIR_SUB_BLOCKS<T>.bytes[c]));
-    const __m512i mins = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
-    mn = _mm512_castsi512_si256(_mm512_shuffle_epi8(decoded, mins));
   }
   static __m512 float_scales(const uint8_t* b) {
     if constexpr (T::MINS) {  // dmin follows d
@@ -636,42 +601,15 @@ struct DotBlock {
       return _mm512_set1_ps(T::d(b));
     }
   }
-  // float_scales of four blocks (b, b + stride, ...) converted at once: block r's d in lane 2r, -dmin in 2r + 1
-  static __m512 float_scales_of_four(const uint8_t* b, int64_t stride) {
-    static_assert(T::MINS);
-    const __m128i halves = _mm_setr_epi32(int(u32_at(b + T::D_AT)), int(u32_at(b + stride + T::D_AT)),
-                                          int(u32_at(b + 2 * stride + T::D_AT)), int(u32_at(b + 3 * stride + T::D_AT)));
-    const __m256 both = _mm256_cvtph_ps(halves);
-    return _mm512_castps256_ps512(_mm256_mask_sub_ps(both, 0xAA, _mm256_setzero_ps(), both));
-  }
-  // block r's float_scales from float_scales_of_four
-  static __m512 float_scales_of(__m512 four, int r) {
-    const __m512i lanes = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                           _mm512_set1_epi32(2 * r));
-    return _mm512_permutexvar_ps(lanes, four);
-  }
 };
 
-// f(r, DotBlock) for the TILE rows' blocks of one record (Q4_K, Q5_K: the scales and mins of four at once)
+// f(r, DotBlock) for the TILE rows' blocks of one record
 template <class T, class F>
 inline void for_each_block(const uint8_t* rec, const F& f) {
-  if constexpr (T::PAIRED) {
-    for (int g = 0; g < TILE; g += 4) {
-      const __m512i decoded = scales_mins_6bit(rec + g * T::BYTES + T::SCALES_AT, T::BYTES);
-      const __m512 scales = DotBlock<T>::float_scales_of_four(rec + g * T::BYTES, T::BYTES);
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; r++) {
-        const __m512i lane = _mm512_add_epi64(_mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0), _mm512_set1_epi64(2 * r));
-        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded),
-                             DotBlock<T>::float_scales_of(scales, r)));
-      }
-    }
-  } else {
-    __m512i index[4];
-    for (int c = 0; c < 4; c++) index[c] = _mm512_load_si512(PAIR_SUB_BLOCKS<T>.lanes[c]);
+  __m512i index[4];
+  for (int c = 0; c < 4; c++) index[c] = _mm512_load_si512(PAIR_SUB_BLOCKS<T>.lanes[c]);
 #pragma GCC unroll 8
-    for (int r = 0; r < TILE; r++) f(r, DotBlock<T>(rec + r * T::BYTES, index));
-  }
+  for (int r = 0; r < TILE; r++) f(r, DotBlock<T>(rec + r * T::BYTES, index));
 }
 
 // x's rows quantized for the K-quants' integer dot products as llama.cpp's Q8_K: per 256 values, the value of
@@ -679,7 +617,7 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
 // Block-major (row m's block b at b * M + m): the rows that one block of weights meets lie together, not a row's
 // length apart (rows 8 KiB apart share the L1's sets)
 struct XQuant {
-  std::vector<int8_t> q;       // per block of 256, its 32-value groups in group_at order
+  std::vector<int8_t> q;       // per block of 256
   std::vector<float> d;       // per block of 256
   std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values (sum_slot),
                               // then zeros
@@ -697,8 +635,6 @@ constexpr int sum_slot(int j) {
 template <class T>
 void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums, int64_t M) {
   constexpr int64_t QK = 256, SUB = T::SUB;
-  int64_t position[8];  // of each group
-  for (int p = 0; p < 8; p++) position[group_at<T>(p)] = p;
   alignas(64) float v[256];
   alignas(64) int32_t sums16[16];
   for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK * M, sums += 16 * M) {  // M: rows of x
@@ -717,7 +653,7 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t*
     for (int64_t i = 0; i < QK; i += 16) {
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
-      _mm_storeu_si128((__m128i*)(q + 32 * position[i / 32] + i % 32), _mm512_cvtsepi32_epi8(qi));
+      _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
       sums16[i / 16] = _mm512_reduce_add_epi32(qi);
     }
     for (int64_t j = 0; j < 16; j++) {
@@ -790,44 +726,14 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
     for (int64_t b = 0; b < KB; b++, rec += R) {
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
       for (int r = 0; r < TILE; r++) {
-        const uint8_t* block = rec + r * T::BYTES;
-        // the block's weights (Q4_K, Q5_K: looked up by quant in each 32-weight sub-block's table of the 32 values
-        // a 5-bit quant can take, computed as dequant_block computes them), each row of x's products summed in
-        // four chains, added to its sums
-        constexpr bool lookup = T::SUB == 32;
-        alignas(64) uint8_t bytes[256];
-        __m512 tables[T::QK / T::SUB][2];
-        if constexpr (lookup) {
-          const Unpacked<T> u(block);
-          alignas(32) int16_t sc[16], mn[16];
-          for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
-          _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
-          const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_ps(T::OFFSET));
-          for (int j = 0; j < T::QK / T::SUB; j++) {
-            const __m512 scale = _mm512_set1_ps(u.d * float(sc[j])), min = _mm512_set1_ps(u.dmin * float(mn[j]));
-            for (int h = 0; h < 2; h++) {
-              tables[j][h] = _mm512_mul_ps(scale, _mm512_add_ps(iota, _mm512_set1_ps(16 * h)));
-              if constexpr (T::MINS) tables[j][h] = _mm512_sub_ps(tables[j][h], min);
-            }
-          }
-        } else {
-          dequant_block<T>(block, w);
-        }
+        // the block's weights, each row of x's products with them summed in four chains, added to its sums
+        dequant_block<T>(rec + r * T::BYTES, w);
         for (int64_t m = 0; m < M; m++) {
           const float* xb = xf + m * K + b * T::QK;
           __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 16
-          for (int i = 0; i < T::QK; i += 16) {
-            __m512 wi;
-            if constexpr (lookup) {
-              const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
-              wi = _mm512_permutex2var_ps(tables[i / T::SUB][0], q, tables[i / T::SUB][1]);
-            } else {
-              wi = _mm512_load_ps(w + i);
-            }
-            part[i / 16 % 4] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
-          }
+          for (int i = 0; i < T::QK; i += 16)
+            part[i / 16 % 4] = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
           float* a = acc + (m * TILE + r) * 16;
           _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(_mm512_add_ps(part[0], part[1]),
                                                                               _mm512_add_ps(part[2], part[3]))));
@@ -1023,7 +929,7 @@ constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TI
 constexpr TypeInfo TYPES[] = {
     regrouped(Q8_0, "Q8_0"),  regrouped(Q4_0, "Q4_0"),  regrouped(Q4_1, "Q4_1"),  regrouped(Q5_0, "Q5_0"),
     regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), regrouped_k<Q4_K>("Q4_K"),
-    kept_whole<Q5_K>("Q5_K"), regrouped_k<Q6_K>("Q6_K")};
+    regrouped_k<Q5_K>("Q5_K"), regrouped_k<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
   for (const TypeInfo& t : TYPES)
@@ -1032,7 +938,7 @@ const TypeInfo& type_info(int64_t type) {
 }
 
 // f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, regrouped_k.operator()<struct>
-// for Q4_K and Q6_K, whole.operator()<struct> for the K-quants kept whole
+// for Q4_K, Q5_K and Q6_K, whole.operator()<struct> for Q2_K and Q3_K
 template <typename Regrouped, typename RegroupedK, typename Whole>
 void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& regrouped_k, const Whole& whole) {
   switch (type) {
@@ -1044,7 +950,7 @@ void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& 
     case Q2_K::ID: return whole.template operator()<Q2_K>();
     case Q3_K::ID: return whole.template operator()<Q3_K>();
     case Q4_K::ID: return regrouped_k.template operator()<Q4_K>();
-    case Q5_K::ID: return whole.template operator()<Q5_K>();
+    case Q5_K::ID: return regrouped_k.template operator()<Q5_K>();
     case Q6_K::ID: return regrouped_k.template operator()<Q6_K>();
   }
   type_info(type);  // refuses it by id
