@@ -782,18 +782,22 @@ inline __m512i dot_pairs_broadcast(__m512i acc, __m512i w, const int16_t* x) {
 // sub-block's VNNI dot products of the unsigned quants into a fresh int32 lane sum per weight row, times that row's
 // sub-block scale, summed in int32; the pairs' term (mins times x's sub-block sums, or Q6_K's offset) in int32 by
 // vpdpwssd; then one float step per super-block (T::add) into out[i]'s 16 lanes. Each part of a record is unpacked
-// once for all the rows, and each row's steps are the same whatever the rows beside it. Prefetch as dot_q8_tile.
-template <class T>
-void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows, const uint8_t* rec, int64_t KB,
+// once for all the rows, and each row's steps are the same whatever the rows beside it (ONE: a decode's one row,
+// compiled apart so that its sums stay in registers). Prefetch as dot_q8_tile.
+template <class T, bool ONE>
+void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows_, const uint8_t* rec, int64_t KB,
                 float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
   constexpr int64_t R = REGROUPED_TILE * T::BYTES;
   constexpr int G = T::SUB / 4, SUBS = T::REGS / G;  // registers of a sub-block, sub-blocks of a part
+  constexpr int CHAINS = SUBS < 4 ? 2 : 1;  // dot product chains a sub-block: 4 or more in flight
+  const int64_t rows = ONE ? 1 : rows_;
   alignas(64) int32_t isum[MAX_ROWS][REGROUPED_TILE];
   for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(out[i], _mm512_setzero_ps());
   for (int64_t b = 0; b < KB; b++, rec += R) {
     if (ahead)
       ahead->step();
     else
+#pragma GCC unroll 64
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int p = 0; p < T::PARTS; p++) {
@@ -802,17 +806,19 @@ void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows, const uint
       for (int s = 0; s < SUBS; s++) sc[s] = T::scale(rec, T::column(p, G * s) / T::SUB);
       for (int64_t i = 0; i < rows; i++) {
         const int8_t* xq = x.q.data() + (b * M + m0 + i) * 256;
-        // each sub-block's dot products in two chains, the sub-blocks' chains interleaved: 2 * SUBS at once
-        __m512i dot[SUBS][2];
+        // each sub-block's dot products in CHAINS chains, the sub-blocks' chains interleaved
+        __m512i dot[SUBS][CHAINS];
 #pragma GCC unroll 16
         for (int g = 0; g < G; g++)
           for (int s = 0; s < SUBS; s++) {
-            const __m512i prior = g < 2 ? _mm512_setzero_si512() : dot[s][g % 2];
-            dot[s][g % 2] = dot_broadcast(prior, w[G * s + g], xq + T::column(p, G * s + g));
+            const __m512i prior = g < CHAINS ? _mm512_setzero_si512() : dot[s][g % CHAINS];
+            dot[s][g % CHAINS] = dot_broadcast(prior, w[G * s + g], xq + T::column(p, G * s + g));
           }
         __m512i sum = p ? _mm512_load_si512(isum[i]) : _mm512_setzero_si512();
-        for (int s = 0; s < SUBS; s++)
-          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_add_epi32(dot[s][0], dot[s][1]), sc[s]));
+        for (int s = 0; s < SUBS; s++) {
+          const __m512i whole = CHAINS == 2 ? _mm512_add_epi32(dot[s][0], dot[s][CHAINS - 1]) : dot[s][0];
+          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(whole, sc[s]));
+        }
         _mm512_store_si512(isum[i], sum);
       }
     }
@@ -1051,7 +1057,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
             for (int64_t i = 0; i < block; i++)
               dot_k_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
           } else {
-            dot_k_tile<T>(xq, M, m0, block, rec, KB, sums, ahead);
+            (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
           }
           for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
