@@ -796,8 +796,7 @@ void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows_, const uin
   for (int64_t b = 0; b < KB; b++, rec += R) {
     if (ahead)
       ahead->step();
-    else
-#pragma GCC unroll 64
+    else  // a loop: unrolled, the compiler spreads the prefetches among the loads, which streamed slower
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int p = 0; p < T::PARTS; p++) {
