@@ -860,13 +860,20 @@ void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) 
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
-// Row r's block of a regrouped K-quant record, as the file stores it
+// Row r's block of a regrouped K-quant record, as the file stores it: its 4 bytes of 16 chunks in one gather
 template <class T>
 void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
-  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE);  // float16 fields
+  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
   for (int64_t f = 0; f < fields; f++) std::memcpy(block + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
   uint8_t* rest = block + (T::D_AT ? 0 : 2 * fields);
-  for (int64_t k = 0; k < (T::BYTES - 2 * fields) / 4; k++) std::memcpy(rest + 4 * k, rec + T::ROWS_AT + 64 * k + 4 * r, 4);
+  const __m512i at = _mm512_add_epi32(_mm512_set_epi32(960, 896, 832, 768, 704, 640, 576, 512, 448, 384, 320, 256,
+                                                       192, 128, 64, 0),
+                                      _mm512_set1_epi32(int(4 * r)));
+  for (int64_t k = 0; k < words; k += 16) {
+    const __mmask16 lanes = words - k >= 16 ? 0xFFFF : __mmask16((1u << (words - k)) - 1);
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, rec + T::ROWS_AT + 64 * k, 1);
+    _mm512_mask_storeu_epi32(rest + 4 * k, lanes, v);
+  }
 }
 
 // Row n's blocks b0..b1-1 of a regrouped K-quant matrix, dequantized as whole_row dequantizes a kept block
