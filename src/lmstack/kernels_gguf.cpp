@@ -876,6 +876,44 @@ void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
   }
 }
 
+// v[i] (16 dwords each) transposed: v[j] lane i = v[i] lane j before
+inline void transpose16(__m512i* v) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; i++)
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; i++) {  // u[4i + j]'s 128-bit lane L: column 4L + j of rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]), u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    const __m512i even0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    v[j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[8 + j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(3, 1, 3, 1));
+    v[4 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// The 16 rows' blocks of a regrouped K-quant record, as the file stores them: the chunks transposed 16 at a time
+template <class T>
+void blocks_of_record(const uint8_t* rec, uint8_t (*blocks)[256]) {
+  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
+  for (int64_t r = 0; r < REGROUPED_TILE; r++)
+    for (int64_t f = 0; f < fields; f++) std::memcpy(blocks[r] + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+  const int64_t rest = T::D_AT ? 0 : 2 * fields;
+  for (int k = 0; k < words; k += 16) {
+    __m512i v[16];
+    for (int j = 0; j < 16; j++) v[j] = k + j < words ? chunk(rec, T::ROWS_AT, k + j) : _mm512_setzero_si512();
+    transpose16(v);
+    const __mmask16 lanes = words - k >= 16 ? 0xFFFF : __mmask16((1u << (words - k)) - 1);
+    for (int r = 0; r < REGROUPED_TILE; r++) _mm512_mask_storeu_epi32(blocks[r] + rest + 4 * k, lanes, v[r]);
+  }
+}
+
 // Row n's blocks b0..b1-1 of a regrouped K-quant matrix, dequantized as whole_row dequantizes a kept block
 template <class T>
 void regrouped_k_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
@@ -1193,8 +1231,25 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
     });
   };
   auto regrouped_k = [&]<class T>() {
-    at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; i++) regrouped_k_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
+    if (rp) {
+      at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) regrouped_k_row<T>(wp, KB, R, rp[i], 0, KB, op, bf16, i * K);
+      });
+      return;
+    }
+    // every row: each record's 16 blocks put back together at once, then dequantized as a kept block
+    at::parallel_for(0, w.size(0), std::max<int64_t>(1, grain / REGROUPED_TILE), [&](int64_t t0, int64_t t1) {
+      alignas(64) uint8_t blocks[REGROUPED_TILE][256];
+      for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = 0; b < KB; b++) {
+          blocks_of_record<T>(wp + (t * KB + b) * R, blocks);
+          for (int64_t n = t * REGROUPED_TILE; n < std::min(N, (t + 1) * REGROUPED_TILE); n++) {
+            if (bf16)
+              dequant_block_bf16<T>(blocks[n % REGROUPED_TILE], static_cast<uint16_t*>(op) + n * K + b * QK);
+            else
+              dequant_block<T>(blocks[n % REGROUPED_TILE], static_cast<float*>(op) + n * K + b * QK);
+          }
+        }
     });
   };
   auto whole = [&]<class T>() {
