@@ -306,8 +306,9 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
               n: int | None = None) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / tile), K / values, record
     bytes), tile = GGUF_TYPES[qtype].tile: for each tile of rows and column block, the rows' blocks side by side,
-    or, for a regrouped type, the 16 rows' scales, [their offsets,] [their fifth bits,] their quants, 4 columns
-    of the 16 rows in each 64 bytes (kernels_gguf.cpp); padding rows are zeros. With `out`, the packing of an n-row
+    or, for a regrouped type, the 16 rows' float16 scales field by field, [Q5_0/Q5_1's fifth bits,] then the
+    rest of their blocks, 4 bytes of each of the 16 rows in each 64 bytes (the 32-weight types: 4 columns of the 16
+    rows; kernels_gguf.cpp); padding rows are zeros. With `out`, the packing of an n-row
     tensor, raw is its rows row.. and goes into their records there (a large tensor packed a chunk at a time); by
     kernels_pack.cpp where the kernels run."""
     kind = GGUF_TYPES[qtype]

@@ -1,5 +1,5 @@
-// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 regrouped by
-// tile, and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
+// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
+// and Q6_K regrouped by tiles of 16 rows, Q2_K and Q3_K kept whole; TYPES below is the one table of them.
 //
 // Regrouped types: each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0
 // d and 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m), Q5_0 and Q5_1
@@ -10,8 +10,8 @@
 // columns 4g..4g+3, 64 bits, bit 4r + t the bit of row r's column 4g + t,] then the quants: Q4_0's and the other
 // nibble types' 4 x 64 bytes, chunk k holding row r's nibble bytes 4k..4k+3 (columns 4k.. in the low nibbles,
 // 16 + 4k.. in the high), Q8_0's 8 x 64 bytes, chunk g holding row r's quants 4g..4g+3 as q + 128 (unsigned, as
-// VNNI's first operand must be). Each thread reads one sequential stream, as matvec_int8 does. Types kept whole:
-// see below.
+// VNNI's first operand must be). Each thread reads one sequential stream, as matvec_int8 does. The K-quants: see
+// below.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
@@ -215,11 +215,12 @@ void dot_q8_rows(int64_t rows, const XBlocks& x, int64_t M, int64_t m0, const ui
     dot_q8_rows<T, MR - 1>(rows, x, M, m0, rec, KB, out, ahead);
 }
 
-// ---- blocks kept whole: the K-quants ---------------------------------------------------------------
+// ---- the K-quants ----------------------------------------------------------------------------------
 //
-// pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block side by
-// side: record (tile, block) = TILE whole blocks. Each type below says where its fields lie; both profiles go
-// through the same three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
+// Q2_K and Q3_K: pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block
+// side by side: record (tile, block) = TILE whole blocks. Q4_K, Q5_K, Q6_K are regrouped (below), and their rows'
+// blocks put back together where one is dequantized. Each type below says where its fields lie; a whole block goes
+// through three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
 // value = byte - OFFSET), its integer sub-block scales and mins (`scales`), its float16 d and dmin. A weight is
 // (d * scale) * (byte - OFFSET) - dmin * min in float32, as gguf.quants.dequantize computes it.
 
@@ -1138,8 +1139,8 @@ inline uint16_t row_high(const uint8_t* rec, int64_t r, int half) {
 }
 
 // Row n's blocks b0..b1-1 of a packed matrix (KB blocks a row, R bytes a tile's block), dequantized into out from
-// element `at` on, as float32 or bfloat16: for a type whose tiles are regrouped (Q8_0, Q4_0, ...) and for one
-// whose blocks stay whole (the K-quants)
+// element `at` on, as float32 or bfloat16: for a 32-weight type, regrouped (Q8_0, Q4_0, ...), and for a K-quant
+// whose blocks stay whole (Q2_K, Q3_K)
 template <int64_t T>
 void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
                    bool bf16, int64_t at) {
@@ -1264,7 +1265,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
 // kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
-// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a K-quant panel a row at a time,
+// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a Q2_K or Q3_K panel a row at a time,
 // then transposed into them.
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                      const std::optional<at::Tensor>& bias) {
