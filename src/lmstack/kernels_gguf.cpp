@@ -395,7 +395,8 @@ struct MinsRows {
     scale_f = _mm512_mul_ps(scales16(rec), _mm512_cvtepi32_ps(scale(rec, j)));
     min_f = _mm512_mul_ps(scales16(rec + 2 * REGROUPED_TILE), _mm512_cvtepi32_ps(scale_6bit<true>(rec + ROWS_AT, j)));
   }
-  static __m512 weights(__m512 scale_f, __m512 min_f, __m512i q) {  // as gguf.quants.dequantize: (d * sc) * q - dmin * mn
+  // as gguf.quants.dequantize: (d * sc) * q - dmin * mn
+  static __m512 weights(__m512 scale_f, __m512 min_f, __m512i q) {
     return _mm512_sub_ps(_mm512_mul_ps(scale_f, _mm512_cvtepi32_ps(q)), min_f);
   }
 };
@@ -435,7 +436,8 @@ struct Q5_K : MinsRows {  // Q4_K with 32 bytes of high bits (weight 32j + l: bi
   // regrouped: the high bits in chunks 3..10, the nibbles in 11..42 (as Q4_K's); part p's fifth bits: bit 2p (low
   // nibbles) and 2p + 1 (high) of chunk 3 + g
   __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
-    const __m512i low_bit = _mm512_set1_epi64(move_bits(2 * p, 4, 1)), high_bit = _mm512_set1_epi64(move_bits(2 * p + 1, 4, 1));
+    const __m512i low_bit = _mm512_set1_epi64(move_bits(2 * p, 4, 1));
+    const __m512i high_bit = _mm512_set1_epi64(move_bits(2 * p + 1, 4, 1));
     for (int g = 0; g < 8; g++) {
       const __m512i v = chunk(rec, ROWS_AT, 11 + 8 * p + g), high = chunk(rec, ROWS_AT, 3 + g);
       w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bit, 0));
@@ -443,7 +445,6 @@ struct Q5_K : MinsRows {  // Q4_K with 32 bytes of high bits (weight 32j + l: bi
     }
   }
 };
-
 
 struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16 weights, d: w = d*sc*(q - 32)
   static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
@@ -467,7 +468,8 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
   // 32 + 8h + g), w[8 + g] columns 128h + 64 + 32s + 4g (its high nibbles, high bits 2s + 4)
   __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
     const int h = p / 2, s = p % 2;
-    const __m512i low_bits = _mm512_set1_epi64(move_bits(2 * s, 4, 2)), high_bits = _mm512_set1_epi64(move_bits(2 * s + 4, 4, 2));
+    const __m512i low_bits = _mm512_set1_epi64(move_bits(2 * s, 4, 2));
+    const __m512i high_bits = _mm512_set1_epi64(move_bits(2 * s + 4, 4, 2));
     for (int g = 0; g < 8; g++) {
       const __m512i v = chunk(rec, ROWS_AT, 16 * h + 8 * s + g), high = chunk(rec, ROWS_AT, 32 + 8 * h + g);
       w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bits, 0));
@@ -880,10 +882,13 @@ void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
 // v[i] (16 dwords each) transposed: v[j] lane i = v[i] lane j before
 inline void transpose16(__m512i* v) {
   __m512i t[16], u[16];
-  for (int i = 0; i < 8; i++)
-    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
   for (int i = 0; i < 4; i++) {  // u[4i + j]'s 128-bit lane L: column 4L + j of rows 4i..4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]), u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
     u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
     u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
@@ -904,7 +909,8 @@ template <class T>
 void blocks_of_record(const uint8_t* rec, uint8_t (*blocks)[256]) {
   constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
   for (int64_t r = 0; r < REGROUPED_TILE; r++)
-    for (int64_t f = 0; f < fields; f++) std::memcpy(blocks[r] + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+    for (int64_t f = 0; f < fields; f++)
+      std::memcpy(blocks[r] + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
   const int64_t rest = T::D_AT ? 0 : 2 * fields;
   for (int k = 0; k < words; k += 16) {
     __m512i v[16];
