@@ -6,7 +6,7 @@ outputs must agree bit for bit."""
 
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_kquants import kernel_arguments, operators, sane_blocks, seconds
+from gguf_kquants import kernel_arguments, operators, packed_by, sane_blocks, seconds
 
 from lmstack import kernels
 
@@ -29,10 +29,12 @@ def main():
         # the shapes whose rows are whole blocks of the type (llama.cpp's quantizer falls back to another elsewhere)
         values = kernels.GGUF_TYPES[qtype.value].values if qtype else 2
         shapes = [(n, k) for n, k in SHAPES[args.shapes] if k % values == 0]
-        packed = [kernels.pack_gguf(sane_blocks(qtype, n, k), qtype.value) for n, k in shapes] if qtype else tiled
+        raws = [sane_blocks(qtype, n, k) for n, k in shapes] if qtype else []
+        # each operator's blocks as it packs them (a baseline may lay records out for another tile of rows)
+        packed = {label: [packed_by(op, raw, qtype) for raw in raws] if qtype else tiled for label, op in ops.items()}
 
-        def layer(op):
-            for (n, k), w in zip(shapes, packed):
+        def layer(label, op):
+            for (n, k), w in zip(shapes, packed[label]):
                 if qtype:
                     op.gguf_gemm(x[k], w, qtype.value, n, None)
                 else:
@@ -41,10 +43,10 @@ def main():
         times = {label: [] for label in ops}
         for _ in range(args.repeat):  # alternating, the best of each
             for label, op in ops.items():
-                times[label].append(seconds(lambda: layer(op), 1))
+                times[label].append(seconds(lambda: layer(label, op), 1))
         if qtype and len(ops) == 2:
-            for (n, k), w in zip(shapes, packed):
-                base, new = (op.gguf_gemm(x[k], w, qtype.value, n, None) for op in ops.values())
+            for i, (n, k) in enumerate(shapes):
+                base, new = (op.gguf_gemm(x[k], packed[label][i], qtype.value, n, None) for label, op in ops.items())
                 assert torch.equal(base, new), f"{name} {n}x{k}: outputs differ"
         timed = "  ".join(f"{label}: {min(t) * 1e3:7.2f} ms" for label, t in times.items())
         print(f"{name:5} {len(shapes)} shapes  {timed}", flush=True)

@@ -78,28 +78,49 @@ def operators(args) -> dict:
     return {**({"base": build_baseline(args.baseline)} if args.baseline else {}), "new": torch.ops.lmstack}
 
 
+def packed_by(op, raw: torch.Tensor, qtype) -> torch.Tensor:
+    """raw's blocks packed by op's own pack_gguf_into: a baseline revision may lay a record out for another tile
+    of rows (kernels.TILE where this tree's is REGROUPED_TILE)."""
+    kind = kernels.GGUF_TYPES[qtype.value]
+    n, blocks = raw.shape[0], raw.shape[1] // kind.bytes
+    flags = (qtype.value in kernels.FIFTH_BITS, qtype.value == kernels.Q8_0)
+    for tile in dict.fromkeys((kind.tile, kernels.TILE)):
+        out = torch.empty((-(-n // tile), blocks, tile * kind.bytes), dtype=torch.uint8)
+        for scales in ((len(kind.float16_at), kind.float16_at[0]), (len(kind.float16_at),)):  # a baseline may not
+            try:                                                                             # take scales_at
+                op.pack_gguf_into(raw, out, 0, n, kind.bytes, tile != kernels.TILE, *scales, *flags)
+                return out
+            except RuntimeError:
+                continue
+    raise SystemExit(f"{qtype.name}: the baseline packs no layout this bench knows")
+
+
 def main():
     args = kernel_arguments("Q4_K,Q5_K,Q6_K").parse_args()
     ops = operators(args)
     for name in args.types.split(","):
         qtype = Q[name]
         for n, k in ((8192, 2048), (2048, 8192)):
-            packed = kernels.pack_gguf(sane_blocks(qtype, n, k), qtype.value)
+            raw = sane_blocks(qtype, n, k)
+            packed = {label: packed_by(op, raw, qtype) for label, op in ops.items()}
             x = torch.randn(1, k).bfloat16()
-            nbytes = packed.numel()
+            nbytes = raw.numel()
             # a prefill dequantizes GGUF_DENSE_BYTES of bfloat16 weights at a time (formats.py)
-            rows = min(n, GGUF_DENSE_BYTES // (2 * k))
-            chunk = packed[:rows // kernels.TILE]
+            rows = min(n, GGUF_DENSE_BYTES // (2 * k)) // 16 * 16
+            chunks = {label: p[:rows * p.shape[0] // n] for label, p in packed.items()}  # rows a multiple of any tile
             row = []
             for label, op in ops.items():
-                mv = seconds(lambda: op.gguf_matvec(x, packed, qtype.value, n, None), args.repeat)
-                dq = seconds(lambda: op.gguf_dequantize(chunk, qtype.value, rows, k, None, torch.bfloat16), args.repeat)
+                mv = seconds(lambda: op.gguf_matvec(x, packed[label], qtype.value, n, None), args.repeat)
+                dq = seconds(lambda: op.gguf_dequantize(chunks[label], qtype.value, rows, k, None, torch.bfloat16),
+                             args.repeat)
                 row.append(f"{label}: matvec {mv * 1e3:6.2f} ms ({nbytes / mv / 1e9:5.2f} GB/s)"
                            f"  dequant-bf16 {dq * 1e3:6.2f} ms ({rows * k / dq / 1e9:5.2f} Gw/s)")
             if len(ops) == 2:  # the dequantized weights agree bit for bit, the products within float32 sums' order
-                dequant = (op.gguf_dequantize(chunk, qtype.value, rows, k, None, torch.bfloat16) for op in ops.values())
+                dequant = (op.gguf_dequantize(chunks[label], qtype.value, rows, k, None, torch.bfloat16)
+                           for label, op in ops.items())
                 assert torch.equal(*dequant), f"{name}: dequantized weights differ"
-                base, new = (op.gguf_matvec(x, packed, qtype.value, n, None).float() for op in ops.values())
+                base, new = (op.gguf_matvec(x, packed[label], qtype.value, n, None).float()
+                             for label, op in ops.items())
                 assert ((base - new).abs() <= 2.0 ** -7 * base.abs().max()).all(), f"{name}: products differ"
             print(f"{name} {n}x{k}  " + "  |  ".join(row), flush=True)
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_kquants import kernel_arguments, operators, sane_blocks
+from gguf_kquants import kernel_arguments, operators, packed_by, sane_blocks
 
 from lmstack import kernels
 
@@ -25,22 +25,6 @@ def shapes(model: str):
     hidden, ffn, kv, layers = MODELS[model]
     layer = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn)]
     return layer * layers
-
-
-def packed_by(op, raw: torch.Tensor, qtype) -> torch.Tensor:
-    """raw's blocks packed by op's own pack_gguf_into: a baseline revision may lay a record out for another tile
-    of rows (kernels.TILE where this tree's is REGROUPED_TILE)."""
-    kind = kernels.GGUF_TYPES[qtype.value]
-    n, blocks = raw.shape[0], raw.shape[1] // kind.bytes
-    for tile in dict.fromkeys((kind.tile, kernels.TILE)):
-        out = torch.empty((-(-n // tile), blocks, tile * kind.bytes), dtype=torch.uint8)
-        try:
-            op.pack_gguf_into(raw, out, 0, n, kind.bytes, kind.regrouped, len(kind.float16_at),
-                              qtype.value in kernels.FIFTH_BITS, qtype.value == kernels.Q8_0)
-            return out
-        except RuntimeError:
-            continue
-    raise SystemExit(f"{qtype.name}: the baseline packs no layout this bench knows")
 
 
 def weights(kind: str, model: str, ops: dict):

@@ -188,9 +188,9 @@ def test_bfloat16_products_are_integer_dot_products_of_int8_activations(qtype):
 @needs_kernels
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 def test_a_row_gets_its_bits_alone_in_any_engine_step(qtype):
-    """Many rows (an engine step) share each pass over the blocks (Q8_0, ...: up to 16 at a time, the next tile
-    prefetched across the passes; the K-quants: all rows, x block-major): each row's result is the bits it gets
-    alone, whatever its batch-mates and however many."""
+    """Many rows (an engine step) share each pass over the blocks (the regrouped types: up to 16 at a time, the next
+    tile prefetched across the passes, one row alone by its own code; Q2_K, Q3_K: all rows, x block-major): each
+    row's result is the bits it gets alone, whatever its batch-mates and however many."""
     rows, cols = 21, 2 * columns(qtype)
     packed = kernels.pack_gguf(torch.from_numpy(random_blocks(qtype, rows, cols, seed=3)), qtype.value)
     x = torch.randn(20, cols, generator=torch.Generator().manual_seed(4)).bfloat16()

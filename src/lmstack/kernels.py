@@ -232,9 +232,10 @@ def int4pack_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, n: i
 @dataclass(frozen=True)
 class BlockType:
     """A GGUF block type the kernels multiply as stored, one row of kernels_gguf.cpp's TYPES: weights and bytes of
-    a block, where its float16 scales lie (d, and dmin or m: each must be finite), and whether pack_gguf regroups
-    its fields by tile (the 32-weight types: scales first, then Q5's fifth bits, then the quants) or keeps each
-    block whole (the K-quants). The reference dequantization of every type is gguf.quants.dequantize."""
+    a block, where its float16 scales lie (d, and dmin or m: each must be finite; side by side at the block's start
+    or end), and whether pack_gguf regroups its fields by tiles of 16 rows (scales first, then Q5_0/Q5_1's fifth
+    bits, then the block's other bytes) or keeps each block whole (Q2_K, Q3_K). The reference dequantization of
+    every type is gguf.quants.dequantize."""
 
     name: str
     values: int
@@ -256,9 +257,9 @@ GGUF_TYPES = {  # ggml type id -> its BlockType
     7: BlockType("Q5_1", 32, 24, (0, 2), regrouped=True),
     10: BlockType("Q2_K", 256, 84, (80, 82)),
     11: BlockType("Q3_K", 256, 110, (108,)),
-    12: BlockType("Q4_K", 256, 144, (0, 2)),
-    13: BlockType("Q5_K", 256, 176, (0, 2)),
-    14: BlockType("Q6_K", 256, 210, (208,)),
+    12: BlockType("Q4_K", 256, 144, (0, 2), regrouped=True),
+    13: BlockType("Q5_K", 256, 176, (0, 2), regrouped=True),
+    14: BlockType("Q6_K", 256, 210, (208,), regrouped=True),
 }
 Q8_0 = 8
 FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales
@@ -281,7 +282,8 @@ def _fifth_bits_back(packed: torch.Tensor) -> torch.Tensor:
 
 def _by_columns_of_four(quants: torch.Tensor, q8: bool) -> torch.Tensor:
     """(.., 16, bytes) quants of 16 rows -> (.., 16 * bytes): chunks of 64 bytes, chunk g holding bytes 4g..4g+3 of
-    every row, row r at 4r; Q8_0's quants stored as q + 128 (kernels_gguf.cpp)."""
+    every row, row r at 4r (for the 32-weight types, 4 columns of the 16 rows); Q8_0's quants stored as q + 128
+    (kernels_gguf.cpp)."""
     if q8:
         quants = (quants.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
     return quants.reshape(*quants.shape[:-1], -1, 4).transpose(-3, -2).reshape(*quants.shape[:-2], -1)
@@ -304,8 +306,9 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
               n: int | None = None) -> torch.Tensor:
     """(N, K / values * block bytes) uint8, a GGUF tensor's rows as stored -> (ceil(N / tile), K / values, record
     bytes), tile = GGUF_TYPES[qtype].tile: for each tile of rows and column block, the rows' blocks side by side,
-    or, for a regrouped type, the 16 rows' scales, [their offsets,] [their fifth bits,] their quants, 4 columns
-    of the 16 rows in each 64 bytes (kernels_gguf.cpp); padding rows are zeros. With `out`, the packing of an n-row
+    or, for a regrouped type, the 16 rows' float16 scales field by field, [Q5_0/Q5_1's fifth bits,] then the
+    rest of their blocks, 4 bytes of each of the 16 rows in each 64 bytes (the 32-weight types: 4 columns of the 16
+    rows; kernels_gguf.cpp); padding rows are zeros. With `out`, the packing of an n-row
     tensor, raw is its rows row.. and goes into their records there (a large tensor packed a chunk at a time); by
     kernels_pack.cpp where the kernels run."""
     kind = GGUF_TYPES[qtype]
@@ -315,7 +318,7 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
         if out is None:
             out = torch.empty(packed_shape(qtype, n, raw.shape[1] // kind.bytes * kind.values), dtype=torch.uint8)
         torch.ops.lmstack.pack_gguf_into(raw.contiguous(), out, row, n, kind.bytes, kind.regrouped,
-                                         len(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0)
+                                         len(kind.float16_at), kind.float16_at[0], qtype in FIFTH_BITS, qtype == Q8_0)
         return out
     if out is None:
         return _pack_gguf(raw, qtype)
@@ -350,13 +353,18 @@ def _pack_gguf(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     tiled = blocks.view(-1, tile, blocks.shape[1], kind.bytes).transpose(1, 2)  # (tiles, K / values, tile, block)
     if not kind.regrouped:
         return tiled.reshape(*tiled.shape[:2], -1).contiguous()
-    head = 2 * len(kind.float16_at)
-    fields = [tiled[..., i:i + 2] for i in range(0, head, 2)]
+    lo, hi = _scales_span(kind)
+    fields = [tiled[..., at:at + 2] for at in kind.float16_at]
     if qtype in FIFTH_BITS:
-        fields.append(_fifth_bits(tiled[..., head:head + 4]))
-        head += 4
-    fields.append(_by_columns_of_four(tiled[..., head:], qtype == Q8_0))
+        fields.append(_fifth_bits(tiled[..., hi:hi + 4]))
+        hi += 4
+    fields.append(_by_columns_of_four(torch.cat([tiled[..., :lo], tiled[..., hi:]], dim=-1), qtype == Q8_0))
     return torch.cat([f.reshape(*tiled.shape[:2], -1) for f in fields], dim=-1).contiguous()
+
+
+def _scales_span(kind: BlockType) -> tuple:
+    """The bytes of a block its float16 scales take, side by side: (start, stop)."""
+    return kind.float16_at[0], kind.float16_at[-1] + 2
 
 
 def unpack_gguf(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
@@ -365,15 +373,17 @@ def unpack_gguf(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     tiles, blocks = packed.shape[:2]
     tile = kind.tile
     if kind.regrouped:
-        head = 2 * len(kind.float16_at)
-        scales = packed[..., :head * tile].reshape(tiles, blocks, head // 2, tile, 2).transpose(2, 3)
-        parts = [scales.reshape(tiles, blocks, tile, head)]
-        at = head * tile
+        lo, hi = _scales_span(kind)
+        scales = packed[..., :(hi - lo) * tile].reshape(tiles, blocks, (hi - lo) // 2, tile, 2).transpose(2, 3)
+        scales = scales.reshape(tiles, blocks, tile, hi - lo)
+        at = (hi - lo) * tile
+        parts = []
         if qtype in FIFTH_BITS:
             parts.append(_fifth_bits_back(packed[..., at:at + 64]))
             at += 64
         parts.append(_by_columns_of_four_back(packed[..., at:], qtype == Q8_0))
-        packed = torch.cat(parts, dim=-1)
+        rest = torch.cat(parts, dim=-1)
+        packed = torch.cat([rest[..., :lo], scales, rest[..., lo:]], dim=-1)
     return packed.reshape(tiles, blocks, tile, kind.bytes).transpose(1, 2).reshape(tiles * tile, -1)[:n]
 
 

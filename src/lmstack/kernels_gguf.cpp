@@ -1,5 +1,5 @@
-// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 regrouped by
-// tile, and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K kept whole; TYPES below is the one table of them.
+// GGUF blocks multiplied as stored (weight_format "gguf"; see formats.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
+// and Q6_K regrouped by tiles of 16 rows, Q2_K and Q3_K kept whole; TYPES below is the one table of them.
 //
 // Regrouped types: each block holds 32 weights of one row: Q8_0 a float16 scale d and 32 int8 q (w = q * d), Q4_0
 // d and 32 nibbles (w = d * (q - 8)), Q4_1 d, a float16 offset m and 32 nibbles (w = d * q + m), Q5_0 and Q5_1
@@ -10,8 +10,8 @@
 // columns 4g..4g+3, 64 bits, bit 4r + t the bit of row r's column 4g + t,] then the quants: Q4_0's and the other
 // nibble types' 4 x 64 bytes, chunk k holding row r's nibble bytes 4k..4k+3 (columns 4k.. in the low nibbles,
 // 16 + 4k.. in the high), Q8_0's 8 x 64 bytes, chunk g holding row r's quants 4g..4g+3 as q + 128 (unsigned, as
-// VNNI's first operand must be). Each thread reads one sequential stream, as matvec_int8 does. Types kept whole:
-// see below.
+// VNNI's first operand must be). Each thread reads one sequential stream, as matvec_int8 does. The K-quants: see
+// below.
 //
 // gguf_matvec computes in the activations' dtype:
 //   float32: each weight dequantized exactly as gguf.quants.dequantize does (float32 products, no fused
@@ -215,11 +215,12 @@ void dot_q8_rows(int64_t rows, const XBlocks& x, int64_t M, int64_t m0, const ui
     dot_q8_rows<T, MR - 1>(rows, x, M, m0, rec, KB, out, ahead);
 }
 
-// ---- blocks kept whole: the K-quants ---------------------------------------------------------------
+// ---- the K-quants ----------------------------------------------------------------------------------
 //
-// pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block side by
-// side: record (tile, block) = TILE whole blocks. Each type below says where its fields lie; both profiles go
-// through the same three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
+// Q2_K and Q3_K: pack_gguf keeps each block as the file stores it and puts the TILE rows' blocks of one column block
+// side by side: record (tile, block) = TILE whole blocks. Q4_K, Q5_K, Q6_K are regrouped (below), and their rows'
+// blocks put back together where one is dequantized. Each type below says where its fields lie; a whole block goes
+// through three steps: its quants unpacked to unsigned bytes in the order of the weights (`unpack`:
 // value = byte - OFFSET), its integer sub-block scales and mins (`scales`), its float16 d and dmin. A weight is
 // (d * scale) * (byte - OFFSET) - dmin * min in float32, as gguf.quants.dequantize computes it.
 
@@ -250,18 +251,6 @@ inline void nibbles_by_32(const uint8_t* p, __m512i* q) {
   }
 }
 
-// The same nibbles as two loads split them, for the integer dot products: the low nibbles of load h hold 32-weight
-// groups 4h (bytes 0..31) and 4h + 2 (bytes 32..63), its high nibbles 4h + 1 and 4h + 3; x is quantized in that
-// order of groups (group_at), which saves putting the weights back in theirs
-constexpr int PAIRED_GROUPS[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-inline void nibbles_paired(const uint8_t* p, __m512i* q) {
-  const __m512i low = _mm512_set1_epi8(15);
-  for (int h = 0; h < 2; h++) {
-    const __m512i v = _mm512_loadu_si512(p + 64 * h);
-    q[2 * h] = _mm512_and_si512(v, low), q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-  }
-}
-
 // Q4_K and Q5_K's twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, in each 128-bit lane of v, as
 // bytes: the scales, then the mins. Sub-block j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low
 // (mins: high) nibble of byte j + 4 and the top two bits of byte j - 4 (mins: j)
@@ -282,14 +271,6 @@ inline __m256i scales_mins_6bit(const uint8_t* s) {  // reads 16 bytes: a block 
   const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
   return _mm256_cvtepu8_epi16(_mm512_castsi512_si128(scales_mins_6bit(v)));
 }
-// four blocks' (s, s + stride, ...), block r's in lane r
-inline __m512i scales_mins_6bit(const uint8_t* s, int64_t stride) {
-  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)s));
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + stride)), 1);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 2 * stride)), 2);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(s + 3 * stride)), 3);
-  return scales_mins_6bit(v);
-}
 // the eight scales (half 0) or mins (half 1) of them, zeros past: one computation shared by both calls
 template <int HALF>
 inline __m256i scales_6bit(const uint8_t* s) {
@@ -308,16 +289,15 @@ constexpr uint64_t move_bits(int from, int to, int count) {
 inline __m512i nibble_with(__m512i v, __m512i high) {
   return _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(15), 0xE4);
 }
-// Q5_K's fifth bits brought to bit 4, for each register of unpack (paired: of unpack_paired): its low half's
-// group's bit, its high half's
+// Q5_K's fifth bits brought to bit 4, for each register of unpack: its low half's group's bit, its high half's
 struct FifthBits {
   alignas(64) uint64_t at[4][8];
-  constexpr FifthBits(bool paired) : at() {
+  constexpr FifthBits() : at() {
     for (int c = 0; c < 4; c++)
-      for (int i = 0; i < 8; i++) at[c][i] = move_bits(paired ? PAIRED_GROUPS[2 * c + i / 4] : 2 * c + i / 4, 4, 1);
+      for (int i = 0; i < 8; i++) at[c][i] = move_bits(2 * c + i / 4, 4, 1);
   }
 };
-constexpr FifthBits FIFTH_BITS{false}, FIFTH_BITS_PAIRED{true};
+constexpr FifthBits FIFTH_BITS{};
 inline __m512i lanes(const uint64_t* m) { return _mm512_load_si512(m); }
 
 // Q6_K's two high bits brought to bits 4, 5: of weights 32t + l at bits 2t, for t = 0, 1 (register 0: low half,
@@ -333,7 +313,7 @@ constexpr HighBits HIGH_BITS{};
 
 struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-bit quants, d, dmin
   static constexpr int64_t ID = 10, QK = 256, BYTES = 84, SUB = 16, OFFSET = 0, D_AT = 80;
-  static constexpr bool MINS = true, PAIRED = false;
+  static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 32s + l: bits 2s of byte 32h + l
     for (int c = 0; c < 4; c++) q[c] = fields(b + 16 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
   }
@@ -350,7 +330,7 @@ struct Q2_K {  // 16 bytes of 4-bit scale and min per 16 weights, 64 bytes of 2-
 
 struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales (- 32) per 16 weights, d
   static constexpr int64_t ID = 11, QK = 256, BYTES = 110, SUB = 16, OFFSET = 4, D_AT = 108;
-  static constexpr bool MINS = false, PAIRED = false;
+  static constexpr bool MINS = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // q = low 2 bits + 4 * high bit: value q - 4
     for (int c = 0; c < 4; c++) {
       const __m512i low = fields(b + 32 + 32 * (c / 2), 4 * (c % 2), 4 * (c % 2) + 2, 3);
@@ -369,44 +349,106 @@ struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales 
   static float dmin(const uint8_t*) { return 0.0f; }
 };
 
-struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
+// Regrouped K-quants (Q4_K, ...): pack_gguf regroups their blocks as the 32-weight types' (see above): record
+// (tile, super-block) = the 16 rows' float16 d [and dmin], 16 lanes each, then the rest of each row's block in the
+// file's order (ROWS_AT on), 4 bytes of each row in each 64-byte chunk: chunk k holds bytes 4k..4k+3 of the rest, row
+// r's at 4r (int32 lane r). A chunk of quants thus holds 4 columns (or 8 nibbles) of the 16 rows, and one VNNI dot
+// product with x's 4 values broadcast multiplies 4 columns of all 16 rows. Each type says where its fields lie:
+// `part(rec, p, w)` unpacks part p of its quants into REGS registers of unsigned bytes (value = byte - OFFSET),
+// `column(p, i)` is the first of the 4 columns register i holds (SUB / 4 registers in a row: one sub-block),
+// `scale(rec, j)` is sub-block j's integer scale, `pair(rec, q)` the int16 pair of integers that multiplies the
+// pair q of x's sums of sub-blocks (the mins, or Q6_K's scales for its offset), and
+// `add` the float step of one super-block, each in int32 or float32 lanes of the 16 rows.
+inline __m512i chunk(const uint8_t* rec, int64_t at, int k) { return _mm512_loadu_si512(rec + at + 64 * k); }
+inline __m512i bits_of(__m512i v, int from, int count) {  // bits from..from + count - 1 of each int32 lane
+  return _mm512_and_si512(_mm512_srli_epi32(v, from), _mm512_set1_epi32((1 << count) - 1));
+}
+// Q4_K and Q5_K's 6-bit scale (mins: MIN) of sub-block j from the rest's chunks 0, 1, 2 (bytes 0..11 of a row's
+// block after d and dmin): j < 4 in the low 6 bits of byte j (mins: j + 4), j >= 4 in the low (mins: high) nibble
+// of byte j + 4 and the top two bits of byte j - 4 (mins: j)
+template <bool MIN>
+inline __m512i scale_6bit(const uint8_t* rest, int j) {
+  if (j < 4) return bits_of(chunk(rest, 0, MIN), 8 * j, 6);
+  const __m512i high = _mm512_slli_epi32(bits_of(chunk(rest, 0, MIN), 8 * (j - 4) + 6, 2), 4);
+  return _mm512_or_si512(bits_of(chunk(rest, 0, 2), 8 * (j - 4) + 4 * MIN, 4), high);
+}
+
+// Q4_K and Q5_K regrouped: d, dmin, then the rest, which starts with their scales and mins (chunks 0..2); part p of
+// the quants: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
+struct MinsRows {
+  static constexpr int64_t ROWS_AT = 4 * REGROUPED_TILE;
+  static constexpr int PARTS = 4, REGS = 16, PAIRS = 4;
+  static constexpr int column(int p, int i) { return 64 * p + 32 * (i / 8) + 4 * (i % 8); }
+  static __m512i scale(const uint8_t* rec, int j) { return scale_6bit<false>(rec + ROWS_AT, j); }
+  static __m512i pair(const uint8_t* rec, int q) {  // (min 2q, min 2q + 1)
+    const uint8_t* rest = rec + ROWS_AT;
+    return _mm512_or_si512(scale_6bit<true>(rest, 2 * q), _mm512_slli_epi32(scale_6bit<true>(rest, 2 * q + 1), 16));
+  }
+  // acc + one row of x's terms: d * d_x * (sum_j sc_j * dot_j) - dmin * d_x * (sum_j mn_j * sum(x_j))
+  static __m512 add(const uint8_t* rec, __m512 acc, __m512i isum, __m512i pair_sums, float xd) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scales16(rec), _mm512_set1_ps(xd)), acc);
+    const __m512 dmin = scales16(rec + 2 * REGROUPED_TILE);
+    return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(pair_sums), _mm512_mul_ps(dmin, _mm512_set1_ps(xd)), acc);
+  }
+  // sub-block j's float32 factors: scale (d * sc) and min (dmin * mn), for `weights`
+  static void factors(const uint8_t* rec, int j, __m512& scale_f, __m512& min_f) {
+    scale_f = _mm512_mul_ps(scales16(rec), _mm512_cvtepi32_ps(scale(rec, j)));
+    min_f = _mm512_mul_ps(scales16(rec + 2 * REGROUPED_TILE), _mm512_cvtepi32_ps(scale_6bit<true>(rec + ROWS_AT, j)));
+  }
+  // as gguf.quants.dequantize: (d * sc) * q - dmin * mn
+  static __m512 weights(__m512 scale_f, __m512 min_f, __m512i q) {
+    return _mm512_sub_ps(_mm512_mul_ps(scale_f, _mm512_cvtepi32_ps(q)), min_f);
+  }
+};
+
+struct Q4_K : MinsRows {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
   static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true, PAIRED = true;
+  static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
-  static void unpack_paired(const uint8_t* b, __m512i* q) { nibbles_paired(b + 16, q); }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
   static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
+  // regrouped: the nibbles in chunks 3..34: weight 64c + l (l < 32) the low nibble of byte 32c + l, 64c + 32 + l
+  // its high nibble
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 3 + 8 * p + g);
+      w[g] = _mm512_and_si512(v, low), w[8 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
 };
 
-struct Q5_K {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
+struct Q5_K : MinsRows {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
   static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true, PAIRED = true;
+  static constexpr bool MINS = true;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
     nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32
     const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(q[c], _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[c]), 0));
   }
-  static void unpack_paired(const uint8_t* b, __m512i* q) {  // the fifth bit of a weight of group j: bit j of its
-    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));  // byte of the 32
-    for (int h = 0; h < 2; h++) {                                                              // at b + 16
-      const __m512i v = _mm512_loadu_si512(b + 48 + 64 * h);
-      q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h]), 0));
-      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4),
-                                 _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS_PAIRED.at[2 * h + 1]), 0));
-    }
-  }
   static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
   static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
+  // regrouped: the high bits in chunks 3..10, the nibbles in 11..42 (as Q4_K's); part p's fifth bits: bit 2p (low
+  // nibbles) and 2p + 1 (high) of chunk 3 + g
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const __m512i low_bit = _mm512_set1_epi64(move_bits(2 * p, 4, 1));
+    const __m512i high_bit = _mm512_set1_epi64(move_bits(2 * p + 1, 4, 1));
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 11 + 8 * p + g), high = chunk(rec, ROWS_AT, 3 + g);
+      w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bit, 0));
+      w[8 + g] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, high_bit, 0));
+    }
+  }
 };
 
 struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16 weights, d: w = d*sc*(q - 32)
   static constexpr int64_t ID = 14, QK = 256, BYTES = 210, SUB = 16, OFFSET = 32, D_AT = 208;
-  static constexpr bool MINS = false, PAIRED = false;
+  static constexpr bool MINS = false;
   static void unpack(const uint8_t* b, __m512i* q) {  // weight 128h + 64s + l (l < 64): nibble s of byte 64h + l;
     for (int h = 0; h < 2; h++) {                    // its high bits: weight 128h + 32t + l: bits 2t of 128 + 32h + l
       const __m512i v = _mm512_loadu_si512(b + 64 * h);  // brought to bits 4, 5
@@ -419,6 +461,43 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
   static __m256i mins(const uint8_t*) { return _mm256_setzero_si256(); }
   static float d(const uint8_t* b) { return half_at(b + D_AT); }
   static float dmin(const uint8_t*) { return 0.0f; }
+  // regrouped: d, then the rest = the low nibbles (chunks 0..31), the high bits (32..47), the scales (48..51)
+  static constexpr int64_t ROWS_AT = 2 * REGROUPED_TILE;
+  static constexpr int PARTS = 4, REGS = 16, PAIRS = 8;
+  // part p = 2h + s: w[g] columns 128h + 32s + 4g (the low nibbles of chunk 16h + 8s + g, high bits 2s of chunk
+  // 32 + 8h + g), w[8 + g] columns 128h + 64 + 32s + 4g (its high nibbles, high bits 2s + 4)
+  __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
+    const int h = p / 2, s = p % 2;
+    const __m512i low_bits = _mm512_set1_epi64(move_bits(2 * s, 4, 2));
+    const __m512i high_bits = _mm512_set1_epi64(move_bits(2 * s + 4, 4, 2));
+    for (int g = 0; g < 8; g++) {
+      const __m512i v = chunk(rec, ROWS_AT, 16 * h + 8 * s + g), high = chunk(rec, ROWS_AT, 32 + 8 * h + g);
+      w[g] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, low_bits, 0));
+      w[8 + g] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, high_bits, 0));
+    }
+  }
+  static constexpr int column(int p, int i) { return 128 * (p / 2) + 32 * (p % 2) + 64 * (i / 8) + 4 * (i % 8); }
+  static __m512i scale(const uint8_t* rec, int j) {  // int8 sc_j: byte j % 4 of chunk 48 + j / 4
+    return _mm512_srai_epi32(_mm512_slli_epi32(chunk(rec, ROWS_AT, 48 + j / 4), 24 - 8 * (j % 4)), 24);
+  }
+  // pair 2c: (sc_4c, sc_4c+2), pair 2c + 1: (sc_4c+1, sc_4c+3), the int16 halves of chunk 48 + c's lanes; x's sums
+  // in that order (sum_slot)
+  static __m512i pair(const uint8_t* rec, int q) {
+    const __m512i v = chunk(rec, ROWS_AT, 48 + q / 2);
+    return q % 2 ? _mm512_srai_epi16(v, 8) : _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+  }
+  static constexpr int sum_slot(int j) { return j % 4 == 1 ? j + 1 : j % 4 == 2 ? j - 1 : j; }
+  // acc + one row of x's terms: d * d_x * (sum_j sc_j * dot_j - 32 * sum_j sc_j * sum(x_j))
+  static __m512 add(const uint8_t* rec, __m512 acc, __m512i isum, __m512i pair_sums, float xd) {
+    const __m512i exact = _mm512_sub_epi32(isum, _mm512_slli_epi32(pair_sums, 5));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(scales16(rec), _mm512_set1_ps(xd)), acc);
+  }
+  static void factors(const uint8_t* rec, int j, __m512& scale_f, __m512& min_f) {
+    scale_f = _mm512_mul_ps(scales16(rec), _mm512_cvtepi32_ps(scale(rec, j))), min_f = _mm512_setzero_ps();
+  }
+  static __m512 weights(__m512 scale_f, __m512, __m512i q) {  // as gguf.quants.dequantize: (d * sc) * (q - 32)
+    return _mm512_mul_ps(scale_f, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(OFFSET))));
+  }
 };
 
 // one row's block, unpacked once for every row of x it meets
@@ -489,24 +568,14 @@ inline void dequant_block_bf16(const uint8_t* b, uint16_t* out) {
   }
 }
 
-// the 32-weight group of a block that position p (weights 32p..32p+31 of its registers) of the dot products holds
-template <class T>
-constexpr int group_at(int p) { return T::PAIRED ? PAIRED_GROUPS[p] : p; }
-
 // for each register c of DotBlock's quants, the index of the sub-block of each pair of quants (2i, 2i + 1): which of
-// the 16-bit scales multiplies that pair's 16-bit product sum; as bytes, the shuffle that takes it from a lane of
-// scales_mins_6bit's bytes (low byte: the scale, high byte: zero)
+// the 16-bit scales multiplies that pair's 16-bit product sum
 template <class T>
 struct PairSubBlocks {
   alignas(64) int16_t lanes[4][32];
-  alignas(64) int8_t bytes[4][64];
-  constexpr PairSubBlocks() : lanes(), bytes() {
+  constexpr PairSubBlocks() : lanes() {
     for (int c = 0; c < 4; c++)
-      for (int i = 0; i < 32; i++) {
-        const int at = 64 * c + 2 * i;
-        lanes[c][i] = int16_t((32 * group_at<T>(at / 32) + at % 32) / T::SUB);
-        bytes[c][2 * i] = int8_t(lanes[c][i]), bytes[c][2 * i + 1] = -128;
-      }
+      for (int i = 0; i < 32; i++) lanes[c][i] = int16_t((64 * c + 2 * i) / T::SUB);
   }
 };
 template <class T>
@@ -515,25 +584,15 @@ constexpr PairSubBlocks<T> PAIR_SUB_BLOCKS{};
 // one row's block as the integer dot products take it, prepared once for every row of x it meets
 template <class T>
 struct DotBlock {
-  __m512i q[4];  // 64 quants each, their 32-weight groups in group_at order
+  __m512i q[4];  // 64 quants each
   __m512i pairs[4];  // the 16-bit scale of each pair of quants in q
-  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last (Q4_K, Q5_K: no sc,
-                   // the mins twice)
+  __m256i sc, mn;  // 16 lanes of int16 scales and mins, one a sub-block, zeros past the last
   __m512 scale;  // with mins: d in lanes 0..7, -dmin in 8..15; else d in every lane
   // with PAIR_SUB_BLOCKS' lanes in `index`
   DotBlock(const uint8_t* b, const __m512i* index) : sc(T::scales(b)), mn(T::mins(b)) {
-    static_assert(!T::PAIRED);
     T::unpack(b, q);
     for (int c = 0; c < 4; c++) pairs[c] = _mm512_permutexvar_epi16(index[c], _mm512_castsi256_si512(sc));
     scale = float_scales(b);
-  }
-  // Q4_K, Q5_K: with their scales and mins, scales_mins_6bit's bytes, in every lane of `decoded`, and `scale`
-  DotBlock(const uint8_t* b, __m512i decoded, __m512 scale) : sc(_mm256_setzero_si256()), scale(scale) {
-    T::unpack_paired(b, q);
-    for (int c = 0; c < 4; c++) pairs[c] = _mm512_shuffle_epi8(decoded, _mm512_load_si512(PAIR_SUB_BLOCKS<T>.bytes[c]));
-    const __m512i mins = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
-    mn = _mm512_castsi512_si256(_mm512_shuffle_epi8(decoded, mins));
   }
   static __m512 float_scales(const uint8_t* b) {
     if constexpr (T::MINS) {  // dmin follows d
@@ -545,42 +604,15 @@ struct DotBlock {
       return _mm512_set1_ps(T::d(b));
     }
   }
-  // float_scales of four blocks (b, b + stride, ...) converted at once: block r's d in lane 2r, -dmin in 2r + 1
-  static __m512 float_scales_of_four(const uint8_t* b, int64_t stride) {
-    static_assert(T::MINS);
-    const __m128i halves = _mm_setr_epi32(int(u32_at(b + T::D_AT)), int(u32_at(b + stride + T::D_AT)),
-                                          int(u32_at(b + 2 * stride + T::D_AT)), int(u32_at(b + 3 * stride + T::D_AT)));
-    const __m256 both = _mm256_cvtph_ps(halves);
-    return _mm512_castps256_ps512(_mm256_mask_sub_ps(both, 0xAA, _mm256_setzero_ps(), both));
-  }
-  // block r's float_scales from float_scales_of_four
-  static __m512 float_scales_of(__m512 four, int r) {
-    const __m512i lanes = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                           _mm512_set1_epi32(2 * r));
-    return _mm512_permutexvar_ps(lanes, four);
-  }
 };
 
-// f(r, DotBlock) for the TILE rows' blocks of one record (Q4_K, Q5_K: the scales and mins of four at once)
+// f(r, DotBlock) for the TILE rows' blocks of one record
 template <class T, class F>
 inline void for_each_block(const uint8_t* rec, const F& f) {
-  if constexpr (T::PAIRED) {
-    for (int g = 0; g < TILE; g += 4) {
-      const __m512i decoded = scales_mins_6bit(rec + g * T::BYTES + T::SCALES_AT, T::BYTES);
-      const __m512 scales = DotBlock<T>::float_scales_of_four(rec + g * T::BYTES, T::BYTES);
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; r++) {
-        const __m512i lane = _mm512_add_epi64(_mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0), _mm512_set1_epi64(2 * r));
-        f(g + r, DotBlock<T>(rec + (g + r) * T::BYTES, _mm512_permutexvar_epi64(lane, decoded),
-                             DotBlock<T>::float_scales_of(scales, r)));
-      }
-    }
-  } else {
-    __m512i index[4];
-    for (int c = 0; c < 4; c++) index[c] = _mm512_load_si512(PAIR_SUB_BLOCKS<T>.lanes[c]);
+  __m512i index[4];
+  for (int c = 0; c < 4; c++) index[c] = _mm512_load_si512(PAIR_SUB_BLOCKS<T>.lanes[c]);
 #pragma GCC unroll 8
-    for (int r = 0; r < TILE; r++) f(r, DotBlock<T>(rec + r * T::BYTES, index));
-  }
+  for (int r = 0; r < TILE; r++) f(r, DotBlock<T>(rec + r * T::BYTES, index));
 }
 
 // x's rows quantized for the K-quants' integer dot products as llama.cpp's Q8_K: per 256 values, the value of
@@ -588,16 +620,24 @@ inline void for_each_block(const uint8_t* rec, const F& f) {
 // Block-major (row m's block b at b * M + m): the rows that one block of weights meets lie together, not a row's
 // length apart (rows 8 KiB apart share the L1's sets)
 struct XQuant {
-  std::vector<int8_t> q;       // per block of 256, its 32-value groups in group_at order
+  std::vector<int8_t> q;       // per block of 256
   std::vector<float> d;       // per block of 256
-  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values, then zeros
+  std::vector<int16_t> sums;  // per block, 16 slots: the sums of q over each sub-block of SUB values (sum_slot),
+                              // then zeros
 };
+
+// where x's sum over sub-block j lies among a block's 16 (the order of T::pair's, where the type says)
+template <class T>
+constexpr int sum_slot(int j) {
+  if constexpr (requires { T::sum_slot(0); })
+    return j < T::QK / T::SUB ? T::sum_slot(j) : j;
+  else
+    return j;
+}
 
 template <class T>
 void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t* sums, int64_t M) {
   constexpr int64_t QK = 256, SUB = T::SUB;
-  int64_t position[8];  // of each group
-  for (int p = 0; p < 8; p++) position[group_at<T>(p)] = p;
   alignas(64) float v[256];
   alignas(64) int32_t sums16[16];
   for (int64_t b = 0; b < K / QK; b++, x += QK, q += QK * M, sums += 16 * M) {  // M: rows of x
@@ -616,13 +656,13 @@ void quantize_x(const c10::BFloat16* x, int64_t K, int8_t* q, float* d, int16_t*
     for (int64_t i = 0; i < QK; i += 16) {
       __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), _mm512_set1_ps(iscale)));
       qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
-      _mm_storeu_si128((__m128i*)(q + 32 * position[i / 32] + i % 32), _mm512_cvtsepi32_epi8(qi));
+      _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(qi));
       sums16[i / 16] = _mm512_reduce_add_epi32(qi);
     }
     for (int64_t j = 0; j < 16; j++) {
       int32_t s = 0;
       for (int64_t i = j * SUB / 16; i < (j + 1) * SUB / 16 && j < QK / SUB; i++) s += sums16[i];
-      sums[j] = int16_t(s);  // |s| <= 127 * 32
+      sums[sum_slot<T>(j)] = int16_t(s);  // |s| <= 127 * 32
     }
   }
 }
@@ -689,44 +729,14 @@ void whole_tile(const at::Tensor& x, const XQuant& xq, const uint8_t* rec, float
     for (int64_t b = 0; b < KB; b++, rec += R) {
       for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
       for (int r = 0; r < TILE; r++) {
-        const uint8_t* block = rec + r * T::BYTES;
-        // the block's weights (Q4_K, Q5_K: looked up by quant in each 32-weight sub-block's table of the 32 values
-        // a 5-bit quant can take, computed as dequant_block computes them), each row of x's products summed in
-        // four chains, added to its sums
-        constexpr bool lookup = T::SUB == 32;
-        alignas(64) uint8_t bytes[256];
-        __m512 tables[T::QK / T::SUB][2];
-        if constexpr (lookup) {
-          const Unpacked<T> u(block);
-          alignas(32) int16_t sc[16], mn[16];
-          for (int c = 0; c < 4; c++) _mm512_store_si512(bytes + 64 * c, u.q[c]);
-          _mm256_store_si256((__m256i*)sc, u.sc), _mm256_store_si256((__m256i*)mn, u.mn);
-          const __m512 iota = _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_ps(T::OFFSET));
-          for (int j = 0; j < T::QK / T::SUB; j++) {
-            const __m512 scale = _mm512_set1_ps(u.d * float(sc[j])), min = _mm512_set1_ps(u.dmin * float(mn[j]));
-            for (int h = 0; h < 2; h++) {
-              tables[j][h] = _mm512_mul_ps(scale, _mm512_add_ps(iota, _mm512_set1_ps(16 * h)));
-              if constexpr (T::MINS) tables[j][h] = _mm512_sub_ps(tables[j][h], min);
-            }
-          }
-        } else {
-          dequant_block<T>(block, w);
-        }
+        // the block's weights, each row of x's products with them summed in four chains, added to its sums
+        dequant_block<T>(rec + r * T::BYTES, w);
         for (int64_t m = 0; m < M; m++) {
           const float* xb = xf + m * K + b * T::QK;
           __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 16
-          for (int i = 0; i < T::QK; i += 16) {
-            __m512 wi;
-            if constexpr (lookup) {
-              const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
-              wi = _mm512_permutex2var_ps(tables[i / T::SUB][0], q, tables[i / T::SUB][1]);
-            } else {
-              wi = _mm512_load_ps(w + i);
-            }
-            part[i / 16 % 4] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
-          }
+          for (int i = 0; i < T::QK; i += 16)
+            part[i / 16 % 4] = _mm512_fmadd_ps(_mm512_load_ps(w + i), _mm512_loadu_ps(xb + i), part[i / 16 % 4]);
           float* a = acc + (m * TILE + r) * 16;
           _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(_mm512_add_ps(part[0], part[1]),
                                                                               _mm512_add_ps(part[2], part[3]))));
@@ -773,6 +783,203 @@ void shared_tiles(int64_t tiles, int64_t grain, const F& f) {
   });
 }
 
+// ---- regrouped K-quants' kernels ---------------------------------------------------------------------
+
+// acc + the dot products of int16 pairs: w's pairs times x's 2 int16, broadcast from memory
+inline __m512i dot_pairs_broadcast(__m512i acc, __m512i w, const int16_t* x) {
+  asm("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t*)x), "v"(w));
+  return acc;
+}
+
+// dot products of rows m0..m0 + rows - 1 of quantized x (M rows, block-major) with the 16 rows of one regrouped
+// K-quant tile (KB records from rec), as llama.cpp's vec_dot for the type: per row of x and super-block, each
+// sub-block's VNNI dot products of the unsigned quants into a fresh int32 lane sum per weight row, times that row's
+// sub-block scale, summed in int32; the pairs' term (mins times x's sub-block sums, or Q6_K's offset) in int32 by
+// vpdpwssd; then one float step per super-block (T::add) into out[i]'s 16 lanes. Each part of a record is unpacked
+// once for all the rows, and each row's steps are the same whatever the rows beside it (ONE: a decode's one row,
+// compiled apart so that its sums stay in registers). Prefetch as dot_q8_tile.
+template <class T, bool ONE>
+void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows_, const uint8_t* rec, int64_t KB,
+                float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
+  constexpr int64_t R = REGROUPED_TILE * T::BYTES;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;  // registers of a sub-block, sub-blocks of a part
+  constexpr int CHAINS = SUBS < 4 ? 2 : 1;  // dot product chains a sub-block: 4 or more in flight
+  const int64_t rows = ONE ? 1 : rows_;
+  alignas(64) int32_t isum[MAX_ROWS][REGROUPED_TILE];
+  for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(out[i], _mm512_setzero_ps());
+  for (int64_t b = 0; b < KB; b++, rec += R) {
+    if (ahead)
+      ahead->step();
+    else  // a loop: unrolled, the compiler spreads the prefetches among the loads, which streamed slower
+      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS], sc[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) sc[s] = T::scale(rec, T::column(p, G * s) / T::SUB);
+      for (int64_t i = 0; i < rows; i++) {
+        const int8_t* xq = x.q.data() + (b * M + m0 + i) * 256;
+        // each sub-block's dot products in CHAINS chains, the sub-blocks' chains interleaved
+        __m512i dot[SUBS][CHAINS];
+#pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+          for (int s = 0; s < SUBS; s++) {
+            const __m512i prior = g < CHAINS ? _mm512_setzero_si512() : dot[s][g % CHAINS];
+            dot[s][g % CHAINS] = dot_broadcast(prior, w[G * s + g], xq + T::column(p, G * s + g));
+          }
+        __m512i sum = p ? _mm512_load_si512(isum[i]) : _mm512_setzero_si512();
+        for (int s = 0; s < SUBS; s++) {
+          const __m512i whole = CHAINS == 2 ? _mm512_add_epi32(dot[s][0], dot[s][CHAINS - 1]) : dot[s][0];
+          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(whole, sc[s]));
+        }
+        _mm512_store_si512(isum[i], sum);
+      }
+    }
+    __m512i pairs[T::PAIRS];
+    for (int q = 0; q < T::PAIRS; q++) pairs[q] = T::pair(rec, q);
+    for (int64_t i = 0; i < rows; i++) {
+      const int64_t xb = b * M + m0 + i;
+      __m512i pair_sums = _mm512_setzero_si512();
+      for (int q = 0; q < T::PAIRS; q++)
+        pair_sums = dot_pairs_broadcast(pair_sums, pairs[q], x.sums.data() + xb * 16 + 2 * q);
+      const __m512 acc = T::add(rec, _mm512_loadu_ps(out[i]), _mm512_load_si512(isum[i]), pair_sums, x.d[xb]);
+      _mm512_storeu_ps(out[i], acc);
+    }
+  }
+}
+
+// dot products of one float32 row x (KB * 256) with the 16 rows of one regrouped K-quant tile: each column's 16
+// weights as gguf.quants.dequantize gives them (T::weights) times x's value, in four float32 sums by column mod 4
+template <class T>
+void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+  constexpr int64_t R = REGROUPED_TILE * T::BYTES;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < KB; b++, rec += R, x += 256) {
+    for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS];
+      __m512 scale_f[SUBS], min_f[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+#pragma GCC unroll 16
+      for (int i = 0; i < T::REGS; i++)
+        for (int t = 0; t < 4; t++) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t), _mm512_set1_epi32(0xFF));
+          const __m512 weight = T::weights(scale_f[i / G], min_f[i / G], q);
+          acc[t] = _mm512_fmadd_ps(weight, _mm512_set1_ps(x[T::column(p, i) + t]), acc[t]);
+        }
+    }
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+// Row r's block of a regrouped K-quant record, as the file stores it: its 4 bytes of 16 chunks in one gather
+template <class T>
+void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
+  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
+  for (int64_t f = 0; f < fields; f++) std::memcpy(block + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+  uint8_t* rest = block + (T::D_AT ? 0 : 2 * fields);
+  const __m512i at = _mm512_add_epi32(_mm512_set_epi32(960, 896, 832, 768, 704, 640, 576, 512, 448, 384, 320, 256,
+                                                       192, 128, 64, 0),
+                                      _mm512_set1_epi32(int(4 * r)));
+  for (int64_t k = 0; k < words; k += 16) {
+    const __mmask16 lanes = words - k >= 16 ? 0xFFFF : __mmask16((1u << (words - k)) - 1);
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, rec + T::ROWS_AT + 64 * k, 1);
+    _mm512_mask_storeu_epi32(rest + 4 * k, lanes, v);
+  }
+}
+
+// v[i] (16 dwords each) transposed: v[j] lane i = v[i] lane j before
+inline void transpose16(__m512i* v) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // u[4i + j]'s 128-bit lane L: column 4L + j of rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    const __m512i even0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    v[j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[8 + j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(3, 1, 3, 1));
+    v[4 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// The 16 rows' blocks of a regrouped K-quant record, as the file stores them: the chunks transposed 16 at a time
+template <class T>
+void blocks_of_record(const uint8_t* rec, uint8_t (*blocks)[256]) {
+  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
+  for (int64_t r = 0; r < REGROUPED_TILE; r++)
+    for (int64_t f = 0; f < fields; f++)
+      std::memcpy(blocks[r] + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+  const int64_t rest = T::D_AT ? 0 : 2 * fields;
+  for (int k = 0; k < words; k += 16) {
+    __m512i v[16];
+    for (int j = 0; j < 16; j++) v[j] = k + j < words ? chunk(rec, T::ROWS_AT, k + j) : _mm512_setzero_si512();
+    transpose16(v);
+    const __mmask16 lanes = words - k >= 16 ? 0xFFFF : __mmask16((1u << (words - k)) - 1);
+    for (int r = 0; r < REGROUPED_TILE; r++) _mm512_mask_storeu_epi32(blocks[r] + rest + 4 * k, lanes, v[r]);
+  }
+}
+
+// Row n's blocks b0..b1-1 of a regrouped K-quant matrix, dequantized as whole_row dequantizes a kept block
+template <class T>
+void regrouped_k_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
+                     bool bf16, int64_t at) {
+  const uint8_t* rec = wp + ((n / REGROUPED_TILE) * KB + b0) * R;
+  alignas(64) uint8_t block[256];
+  for (int64_t b = b0; b < b1; b++, rec += R) {
+    block_of_row<T>(rec, n % REGROUPED_TILE, block);
+    const int64_t to = at + (b - b0) * T::QK;
+    if (bf16)
+      dequant_block_bf16<T>(block, static_cast<uint16_t*>(out) + to);
+    else
+      dequant_block<T>(block, static_cast<float*>(out) + to);
+  }
+}
+
+// Records of one regrouped K-quant tile as kernels_gemm.cpp's GEMM takes them (as regrouped_pairs): each column's
+// 16 weights one vector (T::weights, the values dequant_block_bf16 gives), two columns rounded and
+// interleaved into their pairs
+template <class T>
+void regrouped_k_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* out) {
+  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < blocks; b++, rec += R, out += T::QK / 2 * PANEL) {
+    for (int p = 0; p < T::PARTS; p++) {
+      __m512i w[T::REGS];
+      __m512 scale_f[SUBS], min_f[SUBS];
+      T::part(rec, p, w);
+      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+#pragma GCC unroll 16
+      for (int i = 0; i < T::REGS; i++) {
+        const int c = T::column(p, i);
+        for (int t = 0; t < 4; t += 2) {  // columns c + t, c + t + 1: pair (c + t) / 2
+          const __m512i even = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t), byte);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t + 8), byte);
+          const __m512 low = T::weights(scale_f[i / G], min_f[i / G], even);
+          const __m512 high = T::weights(scale_f[i / G], min_f[i / G], odd);
+          const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+          _mm512_store_si512(out + (c + t) / 2 * PANEL, _mm512_permutexvar_epi16(interleave, pair));
+        }
+      }
+    }
+  }
+}
+
 // ---- the table of types ------------------------------------------------------------------------
 
 struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, bytes of one (tile, block) record
@@ -782,11 +989,15 @@ struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, by
 };
 constexpr TypeInfo regrouped(int64_t id, const char* name) { return {id, name, 32, REGROUPED_TILE, record_bytes(id)}; }
 template <class T>
+constexpr TypeInfo regrouped_k(const char* name) {
+  return {T::ID, name, T::QK, REGROUPED_TILE, REGROUPED_TILE * T::BYTES};
+}
+template <class T>
 constexpr TypeInfo kept_whole(const char* name) { return {T::ID, name, T::QK, TILE, TILE * T::BYTES}; }
 constexpr TypeInfo TYPES[] = {
     regrouped(Q8_0, "Q8_0"),  regrouped(Q4_0, "Q4_0"),  regrouped(Q4_1, "Q4_1"),  regrouped(Q5_0, "Q5_0"),
-    regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), kept_whole<Q4_K>("Q4_K"),
-    kept_whole<Q5_K>("Q5_K"), kept_whole<Q6_K>("Q6_K")};
+    regrouped(Q5_1, "Q5_1"),  kept_whole<Q2_K>("Q2_K"), kept_whole<Q3_K>("Q3_K"), regrouped_k<Q4_K>("Q4_K"),
+    regrouped_k<Q5_K>("Q5_K"), regrouped_k<Q6_K>("Q6_K")};
 
 const TypeInfo& type_info(int64_t type) {
   for (const TypeInfo& t : TYPES)
@@ -794,10 +1005,10 @@ const TypeInfo& type_info(int64_t type) {
   TORCH_CHECK(false, "gguf kernels: ggml type ", type, " has no kernel");
 }
 
-// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, whole.operator()<struct> for
-// the K-quants
-template <typename Regrouped, typename Whole>
-void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole) {
+// f on the type's kernels: regrouped.operator()<id> for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, regrouped_k.operator()<struct>
+// for Q4_K, Q5_K and Q6_K, whole.operator()<struct> for Q2_K and Q3_K
+template <typename Regrouped, typename RegroupedK, typename Whole>
+void with_gguf_type(int64_t type, const Regrouped& regrouped, const RegroupedK& regrouped_k, const Whole& whole) {
   switch (type) {
     case Q8_0: return regrouped.template operator()<Q8_0>();
     case Q4_0: return regrouped.template operator()<Q4_0>();
@@ -806,9 +1017,9 @@ void with_gguf_type(int64_t type, const Regrouped& regrouped, const Whole& whole
     case Q5_1: return regrouped.template operator()<Q5_1>();
     case Q2_K::ID: return whole.template operator()<Q2_K>();
     case Q3_K::ID: return whole.template operator()<Q3_K>();
-    case Q4_K::ID: return whole.template operator()<Q4_K>();
-    case Q5_K::ID: return whole.template operator()<Q5_K>();
-    case Q6_K::ID: return whole.template operator()<Q6_K>();
+    case Q4_K::ID: return regrouped_k.template operator()<Q4_K>();
+    case Q5_K::ID: return regrouped_k.template operator()<Q5_K>();
+    case Q6_K::ID: return regrouped_k.template operator()<Q6_K>();
   }
   type_info(type);  // refuses it by id
 }
@@ -881,13 +1092,42 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       }
     });
   };
-  auto whole = [&]<class T>() {
+  // x quantized as llama.cpp's Q8_K for the K-quants, block-major (none for float32 x)
+  auto quantized = [&]<class T>() {
     XQuant xq;
     if (!f32) {
       xq.q.resize(M * K), xq.d.resize(M * KB), xq.sums.resize(M * KB * 16);
       for (int64_t m = 0; m < M; m++)
         quantize_x<T>(xbf + m * K, K, xq.q.data() + m * 256, xq.d.data() + m, xq.sums.data() + m * 16, M);
     }
+    return xq;
+  };
+  auto regrouped_k = [&]<class T>() {
+    const XQuant xq = quantized.template operator()<T>();
+    // as `regrouped`, the tiles shared as shared_tiles hands them out
+    const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
+    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
+      float sums[MAX_ROWS][REGROUPED_TILE];
+      for (int64_t t = t0; t < t1; t++) {
+        const uint8_t* rec = wp + t * KB * R;
+        const int64_t n = t * REGROUPED_TILE, rows = std::min(REGROUPED_TILE, N - n);
+        lmstack::Prefetch next(rec + KB * R, KB * R, (R + passes - 1) / passes);
+        lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+          const int64_t block = std::min<int64_t>(MAX_ROWS, M - m0);
+          if (f32) {
+            for (int64_t i = 0; i < block; i++)
+              dot_k_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
+          } else {
+            (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
+          }
+          for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
+        }
+      }
+    });
+  };
+  auto whole = [&]<class T>() {
+    const XQuant xq = quantized.template operator()<T>();
     shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sums(M * TILE);
       std::vector<float> acc(M * TILE * 16);
@@ -898,7 +1138,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
       }
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return y;
 }
 
@@ -916,8 +1156,8 @@ inline uint16_t row_high(const uint8_t* rec, int64_t r, int half) {
 }
 
 // Row n's blocks b0..b1-1 of a packed matrix (KB blocks a row, R bytes a tile's block), dequantized into out from
-// element `at` on, as float32 or bfloat16: for a type whose tiles are regrouped (Q8_0, Q4_0, ...) and for one
-// whose blocks stay whole (the K-quants)
+// element `at` on, as float32 or bfloat16: for a 32-weight type, regrouped (Q8_0, Q4_0, ...), and for a K-quant
+// whose blocks stay whole (Q2_K, Q3_K)
 template <int64_t T>
 void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
                    bool bf16, int64_t at) {
@@ -1008,19 +1248,41 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
       for (int64_t i = i0; i < i1; i++) regrouped_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
+  auto regrouped_k = [&]<class T>() {
+    if (rp) {
+      at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) regrouped_k_row<T>(wp, KB, R, rp[i], 0, KB, op, bf16, i * K);
+      });
+      return;
+    }
+    // every row: each record's 16 blocks put back together at once, then dequantized as a kept block
+    at::parallel_for(0, w.size(0), std::max<int64_t>(1, grain / REGROUPED_TILE), [&](int64_t t0, int64_t t1) {
+      alignas(64) uint8_t blocks[REGROUPED_TILE][256];
+      for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = 0; b < KB; b++) {
+          blocks_of_record<T>(wp + (t * KB + b) * R, blocks);
+          for (int64_t n = t * REGROUPED_TILE; n < std::min(N, (t + 1) * REGROUPED_TILE); n++) {
+            if (bf16)
+              dequant_block_bf16<T>(blocks[n % REGROUPED_TILE], static_cast<uint16_t*>(op) + n * K + b * QK);
+            else
+              dequant_block<T>(blocks[n % REGROUPED_TILE], static_cast<float*>(op) + n * K + b * QK);
+          }
+        }
+    });
+  };
   auto whole = [&]<class T>() {
     at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; i++) whole_row<T>(wp, KB, R, rp ? rp[i] : i, 0, KB, op, bf16, i * K);
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return out;
 }
 
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
 // kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
-// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a K-quant panel a row at a time,
+// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a Q2_K or Q3_K panel a row at a time,
 // then transposed into them.
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                      const std::optional<at::Tensor>& bias) {
@@ -1028,18 +1290,21 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  auto regrouped = [&]<int64_t T>() {
+  // a panel is two tiles of 16 rows, each record's rows at once (`pairs`: regrouped_pairs or regrouped_k_pairs)
+  auto panels = [&](const auto& pairs) {
     const int64_t tiles = w.size(0);
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
         const int64_t t = (n0 + i) / REGROUPED_TILE;
         if (t < tiles)
-          regrouped_pairs<T>(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
+          pairs(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
         else
           for (int64_t p = 0; p < kc / 2; p++) std::memset(out + p * PANEL + i, 0, REGROUPED_TILE * 4);
       }
     });
   };
+  auto regrouped = [&]<int64_t T>() { panels(regrouped_pairs<T>); };
+  auto regrouped_k = [&]<class T>() { panels(regrouped_k_pairs<T>); };
   auto whole = [&]<class T>() {
     y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       const int64_t stride = (kc + 31) / 32 * 32;
@@ -1055,7 +1320,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
       lmstack::pairs_of_rows(rows.data(), stride, kc, out);
     });
   };
-  with_gguf_type(type, regrouped, whole);
+  with_gguf_type(type, regrouped, regrouped_k, whole);
   return y;
 }
 

@@ -25,19 +25,20 @@ constexpr int64_t PACK_TASK_BYTES = 256 << 10;  // packed bytes a thread takes a
 
 // Row r of a (tile, block) record from one block of the file, src (or a padding row of zeros: src null), for a
 // type kept whole (SCALES 0: the TILE rows' blocks side by side) or regrouped (REGROUPED_TILE rows): its SCALES
-// float16 fields of the rows, field by field, [FIFTH: the fifth bits, for each group g of 4 columns 64 bits, bit
-// 4r + t the bit of row r's column 4g + t,] then the quants in 64-byte chunks, row r's 4 bytes at 4r of each:
-// the nibble bytes 4k..4k+3 in chunk k, Q8's quants 4g..4g+3 (as q + 128) in chunk g
+// float16 fields of the rows (at byte `scales_at` of a block), field by field, [FIFTH: the fifth bits, for each
+// group g of 4 columns 64 bits, bit 4r + t the bit of row r's column 4g + t,] then the block's other bytes, the
+// quants (`quants` of them, in the block's order), in 64-byte chunks, row r's 4 bytes at 4r of each: chunk k holds
+// bytes 4k..4k+3 (Q8_0's as q + 128)
 template <int SCALES, bool FIFTH, bool Q8>
-inline void put(uint8_t* rec, int64_t r, const uint8_t* src, int64_t block) {
+inline void put(uint8_t* rec, int64_t r, const uint8_t* src, int64_t block, int64_t scales_at, int64_t quants) {
   static const uint8_t zeros[256] = {};
   if (!src) src = zeros;
   if constexpr (SCALES == 0) {
     std::memcpy(rec + r * block, src, block);
   } else {
-    for (int f = 0; f < SCALES; f++) std::memcpy(rec + f * 2 * REGROUPED_TILE + r * 2, src + f * 2, 2);
+    for (int f = 0; f < SCALES; f++) std::memcpy(rec + f * 2 * REGROUPED_TILE + r * 2, src + scales_at + f * 2, 2);
     uint8_t* at = rec + SCALES * 2 * REGROUPED_TILE;
-    const uint8_t* q = src + 2 * SCALES;
+    const uint8_t* q = src + (scales_at ? 0 : 2 * SCALES);
     if constexpr (FIFTH) {
       uint32_t bits;
       std::memcpy(&bits, q, 4);
@@ -48,7 +49,7 @@ inline void put(uint8_t* rec, int64_t r, const uint8_t* src, int64_t block) {
       }
       at += 64, q += 4;
     }
-    for (int g = 0; g < (Q8 ? 8 : 4); g++) {
+    for (int64_t g = 0; g < quants / 4; g++) {
       uint32_t four;
       std::memcpy(&four, q + 4 * g, 4);
       if constexpr (Q8) four ^= 0x80808080u;
@@ -58,7 +59,8 @@ inline void put(uint8_t* rec, int64_t r, const uint8_t* src, int64_t block) {
 }
 
 template <int SCALES, bool FIFTH, bool Q8>
-void pack(const uint8_t* in, int64_t row, int64_t rows, int64_t n, int64_t KB, int64_t block, uint8_t* out) {
+void pack(const uint8_t* in, int64_t row, int64_t rows, int64_t n, int64_t KB, int64_t block, int64_t scales_at,
+          int64_t quants, uint8_t* out) {
   constexpr int64_t T = SCALES ? REGROUPED_TILE : TILE;
   const int64_t R = T * block;
   const int64_t last = row + rows == n ? (n + T - 1) / T * T : row + rows;  // with the padding rows
@@ -69,19 +71,24 @@ void pack(const uint8_t* in, int64_t row, int64_t rows, int64_t n, int64_t KB, i
       for (int64_t b = 0; b < KB; b++)
         for (int64_t g = r0; g < r1; g++)
           put<SCALES, FIFTH, Q8>(out + (t * KB + b) * R, g % T,
-                                 g < row + rows ? in + (g - row) * KB * block + b * block : nullptr, block);
+                                 g < row + rows ? in + (g - row) * KB * block + b * block : nullptr, block,
+                                 scales_at, quants);
     }
   });
 }
 
 // raw (rows, KB * block) uint8: rows row..row + rows - 1 of an n-row tensor, packed into their records of out
 // (ceil(n / tile), KB, tile * block), tile TILE or (regrouped) REGROUPED_TILE; the one that reaches row n - 1 also
-// writes the padding rows after it
+// writes the padding rows after it. A regrouped block's `scales` float16 fields lie at its start or (scales_at > 0)
+// its end.
 void pack_gguf_into(const at::Tensor& raw, at::Tensor& out, int64_t row, int64_t n, int64_t block, bool regrouped,
-                    int64_t scales, bool fifth_bits, bool q8_halves) {
+                    int64_t scales, int64_t scales_at, bool fifth_bits, bool q8_halves) {
   const int64_t quants = block - 2 * scales - (fifth_bits ? 4 : 0);
   const bool q8_0 = scales == 1 && !fifth_bits && quants == 32;
-  TORCH_CHECK(regrouped ? (q8_halves ? q8_0 : (scales == 1 || scales == 2) && quants == 16) : block > 0 && block <= 256,
+  TORCH_CHECK(regrouped ? (q8_halves ? q8_0 && scales_at == 0
+                                     : (scales == 1 || scales == 2) && quants > 0 && quants % 4 == 0 &&
+                                           (scales_at == 0 || (!fifth_bits && scales_at == block - 2 * scales)))
+                        : block > 0 && block <= 256,
               "pack_gguf: no such block layout");
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.dim() == 2 && raw.size(1) % block == 0,
               "pack_gguf: raw must be contiguous (rows, blocks * ", block, ") uint8");
@@ -94,13 +101,13 @@ void pack_gguf_into(const at::Tensor& raw, at::Tensor& out, int64_t row, int64_t
   const uint8_t* in = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   if (!regrouped)
-    pack<0, false, false>(in, row, rows, n, KB, block, dst);
+    pack<0, false, false>(in, row, rows, n, KB, block, 0, 0, dst);
   else if (q8_halves)
-    pack<1, false, true>(in, row, rows, n, KB, block, dst);
+    pack<1, false, true>(in, row, rows, n, KB, block, 0, quants, dst);
   else if (scales == 1)
-    (fifth_bits ? pack<1, true, false> : pack<1, false, false>)(in, row, rows, n, KB, block, dst);
+    (fifth_bits ? pack<1, true, false> : pack<1, false, false>)(in, row, rows, n, KB, block, scales_at, quants, dst);
   else
-    (fifth_bits ? pack<2, true, false> : pack<2, false, false>)(in, row, rows, n, KB, block, dst);
+    (fifth_bits ? pack<2, true, false> : pack<2, false, false>)(in, row, rows, n, KB, block, scales_at, quants, dst);
 }
 
 // The first block of raw (rows, blocks * block bytes) whose float16 at byte `at` is inf or nan (its exponent bits
@@ -154,6 +161,6 @@ TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("pread_parallel(int fd, int offset, Tensor(a!) out) -> int", pread_parallel);
   m.def("first_nonfinite_float16(Tensor raw, int block, int at) -> int", first_nonfinite_float16);
   m.def("pack_gguf_into(Tensor raw, Tensor(a!) out, int row, int n, int block, bool regrouped, int scales, "
-        "bool fifth_bits, bool q8_halves) -> ()",
+        "int scales_at, bool fifth_bits, bool q8_halves) -> ()",
         pack_gguf_into);
 }
