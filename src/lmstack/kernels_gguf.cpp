@@ -1068,11 +1068,12 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     }
   };
   const auto* xbf = f32 ? nullptr : static_cast<const c10::BFloat16*>(x.data_ptr());
-  auto regrouped = [&]<int64_t T>() {
-    const XBlocks xb = f32 ? XBlocks() : quantize_rows<T>(xbf, M, KB);
-    // many rows (bfloat16): each tile in passes of MAX_ROWS rows, the next tile prefetched across them
+  // the tiles of a regrouped type (REGROUPED_TILE rows each), handed out by share(tiles, grain, f): each tile's rows
+  // of x in passes of MAX_ROWS, dot(m0, rows, record, sums, ahead) a pass's products (the next tile prefetched
+  // across the passes where there are many rows)
+  auto in_passes = [&](const auto& share, const auto& dot) {
     const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    share(tiles, grain, [&](int64_t t0, int64_t t1) {
       float sums[MAX_ROWS][REGROUPED_TILE];
       for (int64_t t = t0; t < t1; t++) {
         const uint8_t* rec = wp + t * KB * R;
@@ -1081,15 +1082,22 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
         lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
           const int64_t block = std::min<int64_t>(MAX_ROWS, M - m0);
-          if (f32) {
-            for (int64_t i = 0; i < block; i++)
-              dot_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
-          } else {
-            dot_q8_rows<T, MAX_ROWS>(block, xb, M, m0, rec, KB, sums, ahead);
-          }
+          dot(m0, block, rec, sums, ahead);
           for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
         }
       }
+    });
+  };
+  const auto* xf = f32 ? static_cast<const float*>(x.data_ptr()) : nullptr;
+  auto regrouped = [&]<int64_t T>() {
+    const XBlocks xb = f32 ? XBlocks() : quantize_rows<T>(xbf, M, KB);
+    auto equal_shares = [](int64_t n, int64_t g, const auto& f) { at::parallel_for(0, n, g, f); };
+    in_passes(equal_shares, [&](int64_t m0, int64_t block, const uint8_t* rec, float (*sums)[REGROUPED_TILE],
+                                lmstack::Prefetch* ahead) {
+      if (f32)
+        for (int64_t i = 0; i < block; i++) dot_f32_tile<T>(xf + (m0 + i) * K, rec, KB, sums[i]);
+      else
+        dot_q8_rows<T, MAX_ROWS>(block, xb, M, m0, rec, KB, sums, ahead);
     });
   };
   // x quantized as llama.cpp's Q8_K for the K-quants, block-major (none for float32 x)
@@ -1104,26 +1112,13 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
   };
   auto regrouped_k = [&]<class T>() {
     const XQuant xq = quantized.template operator()<T>();
-    // as `regrouped`, the tiles shared as shared_tiles hands them out
-    const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
-    shared_tiles(tiles, grain, [&](int64_t t0, int64_t t1) {
-      float sums[MAX_ROWS][REGROUPED_TILE];
-      for (int64_t t = t0; t < t1; t++) {
-        const uint8_t* rec = wp + t * KB * R;
-        const int64_t n = t * REGROUPED_TILE, rows = std::min(REGROUPED_TILE, N - n);
-        lmstack::Prefetch next(rec + KB * R, KB * R, (R + passes - 1) / passes);
-        lmstack::Prefetch* ahead = M > 1 ? &next : nullptr;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-          const int64_t block = std::min<int64_t>(MAX_ROWS, M - m0);
-          if (f32) {
-            for (int64_t i = 0; i < block; i++)
-              dot_k_f32_tile<T>(static_cast<const float*>(x.data_ptr()) + (m0 + i) * K, rec, KB, sums[i]);
-          } else {
-            (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
-          }
-          for (int64_t i = 0; i < block; i++) emit(m0 + i, n, rows, sums[i]);
-        }
-      }
+    auto shared = [](int64_t n, int64_t g, const auto& f) { shared_tiles(n, g, f); };
+    in_passes(shared, [&](int64_t m0, int64_t block, const uint8_t* rec, float (*sums)[REGROUPED_TILE],
+                          lmstack::Prefetch* ahead) {
+      if (f32)
+        for (int64_t i = 0; i < block; i++) dot_k_f32_tile<T>(xf + (m0 + i) * K, rec, KB, sums[i]);
+      else
+        (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
     });
   };
   auto whole = [&]<class T>() {
