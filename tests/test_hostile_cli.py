@@ -75,9 +75,10 @@ def test_invalid_utf8_prompts_are_named(model_dir):
 
 
 def test_ctrl_c_while_streaming_ends_the_line(model_dir):
+    # SIGINT as a terminal delivers it, even where this test runs in a background job (which ignores it)
     process = subprocess.Popen([sys.executable, "-m", "lmstack", "generate", "-m", str(model_dir), "-n", "100000",
                                 "--temperature", "1", "--seed", "0", "hello"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         os.set_blocking(process.stdout.fileno(), False)
         out, deadline = b"", time.monotonic() + 120
