@@ -373,9 +373,16 @@ inline __m512i scale_6bit(const uint8_t* rest, int j) {
   return _mm512_or_si512(bits_of(chunk(rest, 0, 2), 8 * (j - 4) + 4 * MIN, 4), high);
 }
 
-// Q4_K and Q5_K regrouped: d, dmin, then the rest, which starts with their scales and mins (chunks 0..2); part p of
-// the quants: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
+// What Q4_K and Q5_K share: a block's d, dmin and 12 bytes of 6-bit scales and mins per 32 weights, before the
+// quants. Regrouped: d, dmin, then the rest, which starts with their scales and mins (chunks 0..2); part p of the
+// quants: columns 64p.. (sub-block 2p) in w[0..7], 64p + 32.. (2p + 1) in w[8..15]
 struct MinsRows {
+  static constexpr int64_t QK = 256, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
+  static constexpr bool MINS = true;
+  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
+  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
+  static float d(const uint8_t* b) { return half_at(b + D_AT); }
+  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
   static constexpr int64_t ROWS_AT = 4 * REGROUPED_TILE;
   static constexpr int PARTS = 4, REGS = 16, PAIRS = 4;
   static constexpr int column(int p, int i) { return 64 * p + 32 * (i / 8) + 4 * (i % 8); }
@@ -401,14 +408,9 @@ struct MinsRows {
   }
 };
 
-struct Q4_K : MinsRows {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 weights, 128 bytes of nibbles
-  static constexpr int64_t ID = 12, QK = 256, BYTES = 144, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true;
+struct Q4_K : MinsRows {  // MinsRows' fields, then 128 bytes of nibbles
+  static constexpr int64_t ID = 12, BYTES = 144;
   static void unpack(const uint8_t* b, __m512i* q) { nibbles_by_32(b + 16, q); }
-  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
-  static float d(const uint8_t* b) { return half_at(b + D_AT); }
-  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
   // regrouped: the nibbles in chunks 3..34: weight 64c + l (l < 32) the low nibble of byte 32c + l, 64c + 32 + l
   // its high nibble
   __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
@@ -421,18 +423,13 @@ struct Q4_K : MinsRows {  // d, dmin, 12 bytes of 6-bit scales and mins per 32 w
 };
 
 struct Q5_K : MinsRows {  // Q4_K with 32 bytes of high bits (weight 32j + l: bit j of byte l) before the nibbles
-  static constexpr int64_t ID = 13, QK = 256, BYTES = 176, SUB = 32, OFFSET = 0, D_AT = 0, SCALES_AT = 4;
-  static constexpr bool MINS = true;
+  static constexpr int64_t ID = 13, BYTES = 176;
   static void unpack(const uint8_t* b, __m512i* q) {  // the fifth bit of weight 64c + l (l < 64): bit 2c + l / 32
     nibbles_by_32(b + 48, q);                           // of byte 16 + l % 32
     const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
     for (int c = 0; c < 4; c++)
       q[c] = _mm512_or_si512(q[c], _mm512_gf2p8affine_epi64_epi8(high, lanes(FIFTH_BITS.at[c]), 0));
   }
-  static __m256i scales(const uint8_t* b) { return scales_6bit<0>(b + SCALES_AT); }
-  static __m256i mins(const uint8_t* b) { return scales_6bit<1>(b + SCALES_AT); }
-  static float d(const uint8_t* b) { return half_at(b + D_AT); }
-  static float dmin(const uint8_t* b) { return half_at(b + D_AT + 2); }
   // regrouped: the high bits in chunks 3..10, the nibbles in 11..42 (as Q4_K's); part p's fifth bits: bit 2p (low
   // nibbles) and 2p + 1 (high) of chunk 3 + g
   __attribute__((always_inline)) static void part(const uint8_t* rec, int p, __m512i* w) {
@@ -848,6 +845,15 @@ void dot_k_tile(const XQuant& x, int64_t M, int64_t m0, int64_t rows_, const uin
   }
 }
 
+// Part p of a regrouped K-quant record: its quants in w (T::part) and each of its sub-blocks' float32 factors
+// (T::factors), as the float32 dot products and the GEMM's pairs take them
+template <class T>
+inline void part_with_factors(const uint8_t* rec, int p, __m512i* w, __m512* scale_f, __m512* min_f) {
+  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
+  T::part(rec, p, w);
+  for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+}
+
 // dot products of one float32 row x (KB * 256) with the 16 rows of one regrouped K-quant tile: each column's 16
 // weights as gguf.quants.dequantize gives them (T::weights) times x's value, in four float32 sums by column mod 4
 template <class T>
@@ -860,8 +866,7 @@ void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) 
     for (int p = 0; p < T::PARTS; p++) {
       __m512i w[T::REGS];
       __m512 scale_f[SUBS], min_f[SUBS];
-      T::part(rec, p, w);
-      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+      part_with_factors<T>(rec, p, w, scale_f, min_f);
 #pragma GCC unroll 16
       for (int i = 0; i < T::REGS; i++)
         for (int t = 0; t < 4; t++) {
@@ -874,12 +879,28 @@ void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) 
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
+// A regrouped K-quant record's float16 fields a row (d, dmin), where the rest of a block starts (after them, or
+// before them where they end the block) and its 4-byte words
+template <class T>
+constexpr int64_t FIELDS = T::ROWS_AT / (2 * REGROUPED_TILE);
+template <class T>
+constexpr int64_t REST_AT = T::D_AT ? 0 : 2 * FIELDS<T>;
+template <class T>
+constexpr int64_t REST_WORDS = (T::BYTES - 2 * FIELDS<T>) / 4;
+
+// Row r's float16 fields of a regrouped K-quant record put where its block keeps them
+template <class T>
+void fields_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
+  for (int64_t f = 0; f < FIELDS<T>; f++)
+    std::memcpy(block + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
+}
+
 // Row r's block of a regrouped K-quant record, as the file stores it: its 4 bytes of 16 chunks in one gather
 template <class T>
 void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
-  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
-  for (int64_t f = 0; f < fields; f++) std::memcpy(block + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
-  uint8_t* rest = block + (T::D_AT ? 0 : 2 * fields);
+  constexpr int64_t words = REST_WORDS<T>;
+  fields_of_row<T>(rec, r, block);
+  uint8_t* rest = block + REST_AT<T>;
   const __m512i at = _mm512_add_epi32(_mm512_set_epi32(960, 896, 832, 768, 704, 640, 576, 512, 448, 384, 320, 256,
                                                        192, 128, 64, 0),
                                       _mm512_set1_epi32(int(4 * r)));
@@ -918,11 +939,8 @@ inline void transpose16(__m512i* v) {
 // The 16 rows' blocks of a regrouped K-quant record, as the file stores them: the chunks transposed 16 at a time
 template <class T>
 void blocks_of_record(const uint8_t* rec, uint8_t (*blocks)[256]) {
-  constexpr int64_t fields = T::ROWS_AT / (2 * REGROUPED_TILE), words = (T::BYTES - 2 * fields) / 4;
-  for (int64_t r = 0; r < REGROUPED_TILE; r++)
-    for (int64_t f = 0; f < fields; f++)
-      std::memcpy(blocks[r] + T::D_AT + 2 * f, rec + f * 2 * REGROUPED_TILE + 2 * r, 2);
-  const int64_t rest = T::D_AT ? 0 : 2 * fields;
+  constexpr int64_t words = REST_WORDS<T>, rest = REST_AT<T>;
+  for (int64_t r = 0; r < REGROUPED_TILE; r++) fields_of_row<T>(rec, r, blocks[r]);
   for (int k = 0; k < words; k += 16) {
     __m512i v[16];
     for (int j = 0; j < 16; j++) v[j] = k + j < words ? chunk(rec, T::ROWS_AT, k + j) : _mm512_setzero_si512();
@@ -962,8 +980,7 @@ void regrouped_k_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* 
     for (int p = 0; p < T::PARTS; p++) {
       __m512i w[T::REGS];
       __m512 scale_f[SUBS], min_f[SUBS];
-      T::part(rec, p, w);
-      for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
+      part_with_factors<T>(rec, p, w, scale_f, min_f);
 #pragma GCC unroll 16
       for (int i = 0; i < T::REGS; i++) {
         const int c = T::column(p, i);
