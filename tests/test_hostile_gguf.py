@@ -8,12 +8,13 @@ import struct
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFValueType as T
 
 import isolated
 from lmstack import CausalLM, CheckpointError, SafetensorsFile, Tokenizer, kernels
 from lmstack.checkpoint import PARALLEL_READ_BYTES, pread_into
-from lmstack.gguf import GGUFFile, GGUFHeader
+from lmstack.gguf import BLOCK_TYPES, GGUFFile, GGUFHeader
 from test_hostile import checkpoint_dir, gguf_file
 
 # ---- raw GGUF bytes ----------------------------------------------------------------------------
@@ -100,6 +101,15 @@ def stored(path, name):
     """Tensor `name` as weight_format "gguf" keeps it."""
     with GGUFFile(path) as f:
         f.stored(name)
+
+
+def packed(path, name):
+    """Tensor `name` read and packed as a load under weight_format "gguf" packs it (the kernels' threads)."""
+    assert kernels.available()
+    with GGUFFile(path) as f:
+        rows, k = f.info(name).shape
+        qtype = next(t.value for t in BLOCK_TYPES if t.name == f.info(name).dtype)
+        f.pack_into(name, torch.empty(kernels.packed_shape(qtype, rows, k), dtype=torch.uint8), 0, rows)
 
 
 def cut_safetensors(root):
@@ -322,7 +332,8 @@ def test_custom_alignment_reads_the_same_tensors(tmp_path):
 
 def test_block_scales_that_are_inf_or_nan_are_refused_naming_the_tensor(tiny_checkpoint, tmp_path):
     """Every float16 scale of every block type the kernels take (d, and dmin or m), set to inf, -inf or nan in
-    one block of one row: refused by weight_format "gguf" naming the tensor, its type and the block."""
+    one block of one row: refused by weight_format "gguf" naming the tensor, its type and the block, whether read
+    alone or packed by the kernels as a load packs it."""
     from test_gguf_blocks import BLOCK_TYPES, tiny_gguf
 
     cases, name = {}, "model.layers.1.mlp.down_proj.weight"  # rows of 512: two blocks of 256
@@ -340,8 +351,9 @@ def test_block_scales_that_are_inf_or_nan_are_refused_naming_the_tensor(tiny_che
                 patched[where:where + 2] = struct.pack("<H", value)
                 target = tmp_path / f"{qtype.name}-{i}-{value:x}.gguf"
                 target.write_bytes(bytes(patched))
-                cases[target.stem] = (("stored", str(target), name),
-                                      [name, qtype.name, "inf or nan", "block 1 of row 5", f"bytes {at}"])
+                for read in ("stored", "packed") if kernels.available() else ("stored",):
+                    cases[f"{target.stem} {read}"] = ((read, str(target), name), [name, qtype.name, "inf or nan",
+                                                                                  "block 1 of row 5", f"bytes {at}"])
         path.unlink()
     all_refused(cases)
 

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import MAX_EXPERTS, HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
-from .kernels import GGUF_TYPES, first_nonfinite_float16
+from .kernels import GGUF_TYPES, first_nonfinite_float16, read_pack_gguf
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -38,6 +38,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 2  # an array of arrays; deeper is refused
 WINDOW = 1 << 16  # bytes read at a time while walking the header
 CHUNK_BYTES = 16 << 20  # float32 bytes of a tensor dequantized at a time
+PACK_UNIT_BYTES = 256 << 10  # a block tensor's bytes a thread reads and packs at a time: they stay in its core's L2
 
 # value type -> numpy dtype of its little-endian encoding (strings and arrays have none)
 SCALARS = {
@@ -377,23 +378,27 @@ class GGUFHeader:
         """A tensor's bytes as stored, or those of rows [start, stop) of its dims[0]-long rows, read with pread
         into a fresh buffer: a file cut short since it was opened is named (a mapping would die of SIGBUS).
 
-        The padding after them must be zeros, as every writer leaves it: a type or dims that give fewer
-        bytes than the tensor's data holds would otherwise read part of it as something else. It is checked
-        by the read that reaches the tensor's last row.
+        The read that reaches the tensor's last row checks the padding after it (_check_padding).
         """
         n_rows = math.prod(tensor.dims[1:])
         row_bytes = tensor.nbytes // n_rows if n_rows else 0
         start, stop, _ = (rows or slice(None)).indices(n_rows)
         stop = max(start, stop)
-        last = stop == n_rows
-        raw = np.empty((stop - start) * row_bytes + (tensor.span - tensor.nbytes if last else 0), dtype=np.uint8)
+        raw = np.empty((stop - start) * row_bytes, dtype=np.uint8)
         pread_into(self._fd(), raw, tensor.offset + start * row_bytes, self.path, f"tensor {tensor.name!r}")
-        size = (stop - start) * row_bytes
-        if last and raw[size:].any():
+        if stop == n_rows:
+            self._check_padding(tensor)
+        return raw
+
+    def _check_padding(self, tensor: Tensor):
+        """The bytes between a tensor's data and the next tensor's are zeros, as every writer leaves them: a type or
+        dims that give fewer bytes than the tensor's data holds would otherwise read part of it as something else."""
+        padding = np.empty(tensor.span - tensor.nbytes, dtype=np.uint8)
+        pread_into(self._fd(), padding, tensor.offset + tensor.nbytes, self.path, f"tensor {tensor.name!r}")
+        if padding.any():
             raise CheckpointError(f"{self.path}: tensor {tensor.name!r} ({tensor.type.name}, dims "
                                   f"{list(tensor.dims)}) takes {tensor.nbytes} bytes, but the padding after them "
                                   f"is not zeros: its type or dims disagree with its data")
-        return raw[:size]
 
     def close(self):
         if self._fh is not None:
@@ -526,10 +531,44 @@ class GGUFFile(GGUFHeader):
         first = rows.start or 0 if rows is not None else 0
         for at in kind.float16_at:
             if (bad := first_nonfinite_float16(raw, at)) is not None:
-                row, block = divmod(bad, raw.shape[1])
-                raise CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a float16 scale that is inf "
-                                      f"or nan (bytes {at}..{at + 1} of block {block} of row {first + row})")
+                raise self._nonfinite_scale(name, first * raw.shape[1] + bad)
         return t.type.value, torch.from_numpy(raw.reshape(raw.shape[0], -1))
+
+    def pack_into(self, name: str, out: torch.Tensor, row: int, n: int):
+        """Tensor `name`, a matrix of a type the kernels multiply as stored, read and packed into its rows row.. of
+        out, the records of an n-row projection (kernels.pack_gguf's layout; rows in Hugging Face's order, every
+        float16 scale checked), by the kernels' threads a few rows at a time (kernels.read_pack_gguf)."""
+        t = self._tensor(name)
+        kind, rows, row_bytes = GGUF_TYPES[t.type.value], t.dims[1], t.nbytes // max(1, t.dims[1])
+        source, group = None, kind.tile
+        if self._permuted(name):  # each unit of rows the threads take holds whole heads: one read each
+            per_head = rows // self._heads(name, rows)
+            source, group = torch.from_numpy(unpermuted_order(rows, rows // per_head)), math.lcm(kind.tile, per_head)
+        unit = group * max(1, PACK_UNIT_BYTES // (group * max(1, row_bytes)))
+        bad, error = read_pack_gguf(self._fd(), t.offset, source, out, row, rows, n, t.type.value, unit)
+        if error:
+            if error < 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read: the file was cut short since "
+                                      f"it was opened")
+            raise OSError(error, f"{self.path}: tensor {name!r} cannot be read: {os.strerror(error)}")
+        if bad >= 0:
+            raise self._nonfinite_scale(name, bad)
+        self._check_padding(t)
+
+    def _nonfinite_scale(self, name: str, index: int) -> CheckpointError:
+        """The error for block `index` (row * blocks + block, rows in Hugging Face's order) of block tensor `name`,
+        one of whose float16 scales is inf or nan."""
+        t = self._tensor(name)
+        kind, row_bytes = GGUF_TYPES[t.type.value], t.nbytes // t.dims[1]
+        row, block = divmod(index, t.dims[0] // kind.values)
+        file_row = int(unpermuted_order(t.dims[1], self._heads(name, t.dims[1]))[row]) if self._permuted(name) else row
+        for at in kind.float16_at:
+            bits = int.from_bytes(os.pread(self._fd(), 2, t.offset + file_row * row_bytes + block * kind.bytes + at),
+                                  "little")
+            if bits & 0x7C00 == 0x7C00:
+                return CheckpointError(f"{self.path}: tensor {name!r} ({t.type.name}) has a float16 scale that is "
+                                       f"inf or nan (bytes {at}..{at + 1} of block {block} of row {row})")
+        raise AssertionError(f"{name}: block {index} has no inf or nan scale")
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp's converter permuted tensor `name`'s rows for its rotary layout."""

@@ -49,6 +49,31 @@ struct Prefetch {
   }
 };
 
+// v[i] (16 dwords each) transposed: v[j] lane i = v[i] lane j before
+inline void transpose16(__m512i* v) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // u[4i + j]'s 128-bit lane L: column 4L + j of rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    const __m512i even0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    v[j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[8 + j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(3, 1, 3, 1));
+    v[4 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
 // A weight matrix as gemm_bf16 reads it: pairs(n0, k0, kc, out) writes rows n0..n0 + GEMM_PANEL - 1 (zeros past the
 // last row), columns k0..k0 + kc - 1, as out[p * GEMM_PANEL + n] = the 32 bits of row n0 + n's bfloat16 columns
 // k0 + 2p and k0 + 2p + 1 (what AVX512-BF16's dot product pairs), for p < kc / 2 rounded up to a multiple of 16

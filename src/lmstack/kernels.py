@@ -329,6 +329,18 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
     return out
 
 
+def read_pack_gguf(fd: int, offset: int, source: torch.Tensor | None, out: torch.Tensor, row: int, rows: int, n: int,
+                   qtype: int, unit: int) -> tuple[int, int]:
+    """pack_gguf of a tensor's `rows` rows straight from the file (its bytes at `offset`), into rows row.. of
+    out, the records of an n-row tensor: output row row + i is the file's row source[i] (None: i); each thread
+    reads, checks and packs `unit` rows (whole tiles) at a time (kernels_pack.cpp). (The first row * blocks + block
+    whose float16 scale is inf or nan, or -1; 0, an errno, or -1 where the file ended first.)"""
+    kind = GGUF_TYPES[qtype]
+    source = torch.empty(0, dtype=torch.long) if source is None else source
+    return torch.ops.lmstack.read_pack_gguf(fd, offset, source, out, row, rows, n, kind.bytes, kind.regrouped,
+                                            list(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0, unit)
+
+
 def pread_parallel(fd: int, offset: int, buffer: memoryview) -> int:
     """Fill buffer (writable bytes) from the file at offset on the kernels' threads: the bytes read (fewer where the
     file ends first), or -errno."""

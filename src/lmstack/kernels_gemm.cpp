@@ -39,28 +39,11 @@ std::unique_ptr<T[], Free> aligned(int64_t n) {
 
 // out[p * GEMM_PANEL + i] = the 32 bits of row i's columns 2p, 2p + 1 for 16 rows (row i at at[i]) and 32 columns:
 // a 16 x 16 transpose of 32-bit values
-inline void transpose16(const uint16_t* const* at, uint32_t* out) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(at[i]);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[i + j], 128-bit lane L: rows i..i+3 of value 4L + j
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int j = 0; j < 4; j++) {  // the 4 x 4 lanes of r[j], r[4 + j], r[8 + j], r[12 + j] transposed
-    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
-    _mm512_store_si512(out + j * GEMM_PANEL, _mm512_shuffle_i32x4(v0, v2, 0x88));
-    _mm512_store_si512(out + (4 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v1, v3, 0x88));
-    _mm512_store_si512(out + (8 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v0, v2, 0xDD));
-    _mm512_store_si512(out + (12 + j) * GEMM_PANEL, _mm512_shuffle_i32x4(v1, v3, 0xDD));
-  }
+inline void transpose_pairs(const uint16_t* const* at, uint32_t* out) {
+  __m512i v[16];
+  for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(at[i]);
+  lmstack::transpose16(v);
+  for (int p = 0; p < 16; p++) _mm512_store_si512(out + p * GEMM_PANEL, v[p]);
 }
 
 // sums[R x 32] (+)= R rows of x, as pairs[p][r] (MR a step), times the panel's P pairs
@@ -116,7 +99,7 @@ void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* o
   for (int64_t k = 0; k < kc; k += 32)
     for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
       for (int64_t i = 0; i < 16; i++) at[i] = rows + (half + i) * stride + k;
-      transpose16(at, out + k / 2 * GEMM_PANEL + half);
+      transpose_pairs(at, out + k / 2 * GEMM_PANEL + half);
     }
 }
 
@@ -194,7 +177,7 @@ at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, 
         const int64_t n = n0 + half;
         for (int64_t i = 0; i < 16; i++)
           at[i] = n + i < N ? wp + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
-        transpose16(at, out + (k - k0) / 2 * GEMM_PANEL + half);
+        transpose_pairs(at, out + (k - k0) / 2 * GEMM_PANEL + half);
       }
   });
 }

@@ -40,6 +40,7 @@ namespace {
 using lmstack::REGROUPED_TILE;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
+using lmstack::transpose16;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
 constexpr int MAX_ROWS = 16;        // rows of x that share each unpacked block of weights: 16 accumulators
 
@@ -908,31 +909,6 @@ void block_of_row(const uint8_t* rec, int64_t r, uint8_t* block) {
     const __mmask16 lanes = words - k >= 16 ? 0xFFFF : __mmask16((1u << (words - k)) - 1);
     const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, rec + T::ROWS_AT + 64 * k, 1);
     _mm512_mask_storeu_epi32(rest + 4 * k, lanes, v);
-  }
-}
-
-// v[i] (16 dwords each) transposed: v[j] lane i = v[i] lane j before
-inline void transpose16(__m512i* v) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {  // u[4i + j]'s 128-bit lane L: column 4L + j of rows 4i..4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; j++) {
-    const __m512i even0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i odd0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
-    v[j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(2, 0, 2, 0));
-    v[8 + j] = _mm512_shuffle_i32x4(even0, even1, _MM_SHUFFLE(3, 1, 3, 1));
-    v[4 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(2, 0, 2, 0));
-    v[12 + j] = _mm512_shuffle_i32x4(odd0, odd1, _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
 

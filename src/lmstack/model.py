@@ -80,16 +80,20 @@ def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
 
 def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks:
     """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, each packed
-    into its buffer a chunk of rows at a time: beside the packed weights only a chunk of the file's bytes is held,
-    never a second copy of a whole tensor."""
+    into its buffer a few rows at a time (by each of the kernels' threads, GGUFFile.pack_into; without the kernels a
+    chunk at a time): beside the packed weights only those rows of the file's bytes are held, never a second copy
+    of a whole tensor."""
     sizes = [source.info(name).shape[0] for name in names]
     n = sum(sizes)
     packed = memory.empty_bytes(kernels.packed_shape(qtype, n, k))
     row = 0
     for name, size in zip(names, sizes):
-        step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
-        for start in range(0, size, step):
-            kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
+        if kernels.available():
+            source.pack_into(name, packed, row, n)
+        else:
+            step = max(1, PACK_CHUNK_BYTES // max(1, source.nbytes(name) // size))
+            for start in range(0, size, step):
+                kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
         row += size
     return GGUFBlocks.from_packed(packed, qtype, n, k)
 
