@@ -49,6 +49,8 @@ SCALARS = {
     GGUFValueType.UINT64: np.dtype("<u8"), GGUFValueType.INT64: np.dtype("<i8"),
     GGUFValueType.FLOAT64: np.dtype("<f8"),
 }
+INTEGERS = tuple(t for t in SCALARS if t.name.startswith(("UINT", "INT")))
+FLOATS = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
 TYPE_IDS = {t.value: t for t in GGUFValueType}
 QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
 # the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf"), and those it keeps as exact
@@ -658,18 +660,19 @@ def tokenizer_data(header: GGUFHeader) -> TokenizerData:
     check("tokenizer.ggml.model", isinstance(model, str), "a string")
     pre = header.get("tokenizer.ggml.pre", None)
     check("tokenizer.ggml.pre", pre is None or isinstance(pre, str), "a string")
-    tokens = header.get("tokenizer.ggml.tokens")
-    check("tokenizer.ggml.tokens", isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens),
-          "a non-empty list of strings")
-    types = header.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    check("tokenizer.ggml.token_type", isinstance(types, list) and len(types) == len(tokens)
-          and all(isinstance(t, int) and not isinstance(t, bool) for t in types), "one integer type per token")
-    scores = header.get("tokenizer.ggml.scores", None)
-    check("tokenizer.ggml.scores", scores is None or (isinstance(scores, list) and len(scores) == len(tokens) and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)), "one number per token")
-    merges = header.get("tokenizer.ggml.merges", None)
-    check("tokenizer.ggml.merges", merges is None or isinstance(merges, list) and all(
-        isinstance(m, str) and m.count(" ") == 1 for m in merges), "'left right' strings")
+    def array_of(key, kinds, expected):  # checked by its items' declared type, not item by item
+        field = header.field(key)
+        check(key, field is None or field.type == GGUFValueType.ARRAY and field.item_type in kinds, expected)
+        return None if field is None else header.get(key)
+
+    tokens = array_of("tokenizer.ggml.tokens", (GGUFValueType.STRING,), "a non-empty list of strings")
+    check("tokenizer.ggml.tokens", bool(tokens), "a non-empty list of strings")
+    types = array_of("tokenizer.ggml.token_type", INTEGERS, "one integer type per token") or [1] * len(tokens)
+    check("tokenizer.ggml.token_type", len(types) == len(tokens), "one integer type per token")
+    scores = array_of("tokenizer.ggml.scores", INTEGERS + FLOATS, "one number per token")
+    check("tokenizer.ggml.scores", scores is None or len(scores) == len(tokens), "one number per token")
+    merges = array_of("tokenizer.ggml.merges", (GGUFValueType.STRING,), "'left right' strings")
+    check("tokenizer.ggml.merges", merges is None or all(m.count(" ") == 1 for m in merges), "'left right' strings")
     ids = {key: header._int(f"tokenizer.ggml.{key}_token_id", None, minimum=0)
            for key in ("bos", "unknown", "padding")}
     for key, i in (*ids.items(), *(("eos", i) for i in header.eos_ids())):

@@ -12,6 +12,7 @@ import re
 import secrets
 from contextlib import contextmanager
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 
 import tokenizers
@@ -278,17 +279,23 @@ class Tokenizer:
         return self._special_built
 
     def _byte_table(self, vocab, added) -> list:
-        """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level (if it is)."""
+        """Each id's bytes: an added token's are its text's, any other token's are spelled byte-level (if it is).
+        Where all are (the usual case), one translation of their joined text, cut at their lengths (each character
+        one byte), rather than one per token."""
         table = [None] * self.n_vocab
         for i, token in added.items():
             table[i] = token.content.encode()
-        for token, i in vocab.items():
-            if table[i] is not None:
-                continue
-            if _BYTE_ALPHABET.issuperset(token):
-                table[i] = token.translate(_TO_LATIN1).encode("latin-1")
-            else:  # not spelled byte-level: its own text, as `tokenizers` decodes it
-                table[i] = token.encode()
+        rest = [(i, token) for token, i in vocab.items() if table[i] is None]
+        ids, tokens = zip(*rest) if rest else ((), ())
+        joined = "".join(tokens)
+        if _BYTE_ALPHABET.issuperset(joined):
+            data, ends = joined.translate(_TO_LATIN1).encode("latin-1"), list(accumulate(map(len, tokens)))
+            for i, start, end in zip(ids, [0, *ends], ends):
+                table[i] = data[start:end]
+            return table
+        for i, token in zip(ids, tokens):  # those not spelled byte-level: their own text, as `tokenizers` decodes them
+            table[i] = token.translate(_TO_LATIN1).encode("latin-1") if _BYTE_ALPHABET.issuperset(token) else \
+                token.encode()
         return table
 
     def pretokenize(self, data) -> list[bytes]:
