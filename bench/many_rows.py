@@ -48,7 +48,7 @@ def weights(kind: str, model: str, ops: dict):
 def main():
     parser = kernel_arguments("bf16,Q8_0,Q4_0")
     parser.add_argument("--model", choices=MODELS, default="135m")
-    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--rows", default="1,4,8,16,181")
     args = parser.parse_args()
     ops = operators(args)
     rows = [int(m) for m in args.rows.split(",")]
