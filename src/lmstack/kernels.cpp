@@ -398,7 +398,8 @@ at::Tensor pack_rows_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t K32) 
   const int64_t groups = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
   at::Tensor packed = at::empty({groups * K32 * BLOCK_ROWS * 32}, at::kBFloat16);
   auto* out = static_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, groups, std::max<int64_t>(1, TASK_WEIGHTS / (BLOCK_ROWS * K32 * 32)), [&](int64_t g0, int64_t g1) {
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (BLOCK_ROWS * K32 * 32));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; g++)
       for (int64_t i = 0; i < BLOCK_ROWS; i++) {
         const int64_t m = g * BLOCK_ROWS + i;
@@ -440,9 +441,9 @@ __attribute__((always_inline)) inline void block_bf16(const uint16_t* x, const u
 
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for many rows of x (packed by pack_rows_bf16) and tiled w (N x K32 * 32):
 // the tiles a panel at a time (PANEL_BYTES), over which every register block of x passes in chunks of columns
-// (X_CHUNK_BYTES). A register block's chunk meets every tile of the panel from the L1, the panel's weights come from
-// the L2 (about 11 bytes a dot product, where reading x once per tile from the L2 or L3 at 181 rows took 16), each
-// panel is read from memory once, and the next one is prefetched meanwhile, spread over the register blocks.
+// (X_CHUNK_BYTES): a register block's chunk stays in the L1 while it meets every tile of the panel, whose weights come
+// from the L2, and x is read from the L2 or L3 once per panel rather than once per tile (181 rows of 8192 columns
+// fill 3 MB); each panel is read from memory once, and the next one is prefetched meanwhile, spread over the passes.
 void panels_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K32, const c10::BFloat16* bias,
                  c10::BFloat16* y, int64_t n0, int64_t n1) {
   const int64_t tile_size = TILE * K32 * 32, first = n0 / TILE, last = (n1 + TILE - 1) / TILE;
@@ -459,11 +460,11 @@ void panels_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int
     for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
       const uint16_t* xm = x + m0 * K32 * 32;
       const int64_t rows_x = std::min(BLOCK_ROWS, M - m0);
-      for (int64_t k0 = 0; k0 < K32; k0 += chunk)
+      for (int64_t k0 = 0; k0 < K32; k0 += chunk) {
+        const int64_t k1 = std::min(K32, k0 + chunk);
         for (int64_t t = 0; t < t1 - t0; t++)
           for (int64_t h = 0; h < TILE; h += 4) {
             pf.step();
-            const int64_t k1 = std::min(K32, k0 + chunk);
             const uint16_t* rows = panel + t * tile_size + h * 32;
             __m512* part = partial.data() + (t * TILE + h) * BLOCK_ROWS;
             float* out = sums.data() + t * BLOCK_ROWS * TILE + h;
@@ -476,6 +477,7 @@ void panels_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int
               default: block_bf16<BLOCK_ROWS>(xm, rows, k0, k1, K32, part, out);
             }
           }
+      }
       for (int64_t t = t0; t < t1; t++)
         store_rows_bf16(reinterpret_cast<const float(*)[TILE]>(sums.data() + (t - t0) * BLOCK_ROWS * TILE), rows_x,
                         bias, t * TILE, std::min(TILE, N - t * TILE), y + m0 * N, N);
@@ -484,7 +486,8 @@ void panels_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int
 }
 
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), tiled w (N x K32 * 32, padded) and bias.
-// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16.
+// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16 (from PANEL_MIN_ROWS rows
+// matvec_bf16_tiled takes panels_bf16 instead).
 void rows_bf16_tiled(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, int64_t K32,
                      const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += TILE) {
