@@ -1,6 +1,7 @@
 """Microbenchmark of the many-row matvec (an engine step of many sequences): every projection of a few layers of
 a model's shapes (SmolLM2-135M or the SmolLM2-1.7B-shaped model), more weights than the L3 holds, for 1..16 rows
-of x, in bfloat16 (tiled) and the GGUF block types, random weights. It prints each pass's ms and, against one
+of x (a decode step) and 181 (a step that prefills 15 prompts), in bfloat16 (tiled) and the GGUF block types, random
+weights. It prints each pass's ms and, against one
 row, the cost of a row; with --baseline REV the kernels of git revision REV are built
 beside this tree's and the two are timed alternately in one run (their results must agree bit for bit where
 both pack the blocks alike).
@@ -48,7 +49,7 @@ def weights(kind: str, model: str, ops: dict):
 def main():
     parser = kernel_arguments("bf16,Q8_0,Q4_0")
     parser.add_argument("--model", choices=MODELS, default="135m")
-    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--rows", default="1,4,8,16,181")
     args = parser.parse_args()
     ops = operators(args)
     rows = [int(m) for m in args.rows.split(",")]

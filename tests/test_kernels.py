@@ -63,12 +63,13 @@ def test_matvec_bf16(m, n, k, with_bias, tiled):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, k", [(13, 37), (24, 576), (9, 1100), (16, 2080), (8, 2100)])
+@pytest.mark.parametrize("n, k", [(13, 37), (24, 576), (9, 1100), (16, 2080), (8, 2100), (150, 2080)])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_matvec_bf16_gives_a_row_alone_its_bits_in_any_batch(n, k, tiled):
-    """An engine step's rows (up to 16 share each pass over the weights, more in groups): each row's result is
-    the bits it gets alone, whatever its batch-mates, and x @ w.T rounded once."""
-    x, w, b = randn(20, k), randn(n, k), randn(n)
+    """An engine step's rows (up to 16 share each pass over the weights, more in groups; from 64 rows the tiled
+    weights go by panels, 150 x 2080: two, in chunks of columns): each row's result is the bits it gets alone,
+    whatever its batch-mates, and x @ w.T rounded once."""
+    x, w, b = randn(200, k), randn(n, k), randn(n)
     x[3], b[0] = 0, 2.0**-130  # a sum that is a bfloat16 subnormal, which the output keeps
     weight = kernels.tile_int8(w) if tiled else w
     matvec = (lambda x, b: kernels.matvec_bf16_tiled(x, weight, n, b)) if tiled else \
@@ -76,10 +77,10 @@ def test_matvec_bf16_gives_a_row_alone_its_bits_in_any_batch(n, k, tiled):
     alone = torch.cat([matvec(x[i:i + 1], b) for i in range(len(x))])
     assert_rounded_once(alone, x.double() @ w.double().T + b.double())
     assert alone[3, 0] == b[0] != 0
-    for m in (2, 3, 4, 5, 8, 15, 16, 17, 20):
+    for m in (2, 3, 4, 5, 8, 15, 16, 17, 20, 63, 64, 65, 181, 200):
         assert torch.equal(matvec(x[:m], b), alone[:m]), m
-    unbiased = torch.cat([matvec(x[i:i + 1], None) for i in range(3, 20)])
-    assert torch.equal(matvec(x[3:20], None), unbiased)
+    unbiased = torch.cat([matvec(x[i:i + 1], None) for i in range(3, 200)])
+    assert torch.equal(matvec(x[3:200], None), unbiased)
 
 
 @needs_kernels

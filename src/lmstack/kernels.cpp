@@ -386,8 +386,108 @@ __attribute__((always_inline)) inline void dot_bf16_tile(const uint16_t* x, int6
   for (int r = 0; r < TILE; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
+constexpr int64_t BLOCK_ROWS = 6;              // rows of x a register block of panels_bf16 holds: 6 x 4 accumulators
+constexpr int64_t PANEL_MIN_ROWS = 64;         // rows of x from which panels_bf16 takes the tiled weights
+constexpr int64_t PANEL_BYTES = 512 << 10;     // weights of a panel: they stay in the L2 while every row of x passes
+constexpr int64_t X_CHUNK_BYTES = 24 << 10;    // a register block's x per chunk of columns: stays in the L1
+
+// x (M x K) as panels_bf16 reads it: its rows BLOCK_ROWS at a time, each group's blocks of 32 columns in order and
+// within a block its rows side by side (zero past K and past M), so that a register block's x is one sequential
+// stretch; rows K apart (4 KiB at K 2048) would share one set of the L1
+at::Tensor pack_rows_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t K32) {
+  const int64_t groups = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  at::Tensor packed = at::empty({groups * K32 * BLOCK_ROWS * 32}, at::kBFloat16);
+  auto* out = static_cast<uint16_t*>(packed.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, TASK_WEIGHTS / (BLOCK_ROWS * K32 * 32));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++)
+      for (int64_t i = 0; i < BLOCK_ROWS; i++) {
+        const int64_t m = g * BLOCK_ROWS + i;
+        for (int64_t k = 0; k < K32; k++) {
+          const __mmask32 mask = m >= M ? 0 : k * 32 + 32 <= K ? ~0u : (__mmask32)((1ull << (K - k * 32)) - 1);
+          _mm512_storeu_si512(out + ((g * K32 + k) * BLOCK_ROWS + i) * 32,
+                              _mm512_maskz_loadu_epi16(mask, x + (mask ? m * K + k * 32 : 0)));
+        }
+      }
+  });
+  return packed;
+}
+
+// One register block of panels_bf16: MR rows of packed x (block k of row m at x + (k * BLOCK_ROWS + m) * 32) against
+// four rows of a tile (`rows`: where the first starts) over blocks k0..k1-1 of K32, each output one accumulator
+// summed over the blocks in order and reduced by sum4, as in pass_bf16 (the zeros past K add nothing): between
+// chunks it waits in `partial` (row m's four at partial[m * 4]); the last chunk writes out[m * TILE + 0..3].
+template <int MR>
+__attribute__((always_inline)) inline void block_bf16(const uint16_t* x, const uint16_t* rows, int64_t k0, int64_t k1,
+                                                      int64_t K32, __m512* partial, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < 4; r++) acc[m][r] = k0 == 0 ? _mm512_setzero_ps() : partial[m * 4 + r];
+  for (int64_t k = k0; k < k1; k++) {
+    const uint16_t* block = rows + k * TILE * 32;
+    __m512bh wv[4];
+    for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_loadu_si512(block + r * 32);
+    for (int m = 0; m < MR; m++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (k * BLOCK_ROWS + m) * 32);
+      for (int r = 0; r < 4; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+    }
+  }
+  if (k1 == K32)
+    for (int m = 0; m < MR; m++) _mm_storeu_ps(out + m * TILE, sum4(acc[m]));
+  else
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < 4; r++) partial[m * 4 + r] = acc[m][r];
+}
+
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for many rows of x (packed by pack_rows_bf16) and tiled w (N x K32 * 32):
+// the tiles a panel at a time (PANEL_BYTES), over which every register block of x passes in chunks of columns
+// (X_CHUNK_BYTES): a register block's chunk stays in the L1 while it meets every tile of the panel, whose weights come
+// from the L2, and x is read from the L2 or L3 once per panel rather than once per tile (181 rows of 8192 columns
+// fill 3 MB); each panel is read from memory once, and the next one is prefetched meanwhile, spread over the passes.
+void panels_bf16(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K32, const c10::BFloat16* bias,
+                 c10::BFloat16* y, int64_t n0, int64_t n1) {
+  const int64_t tile_size = TILE * K32 * 32, first = n0 / TILE, last = (n1 + TILE - 1) / TILE;
+  const int64_t per_panel = std::max<int64_t>(1, PANEL_BYTES / (tile_size * 2));
+  const int64_t chunks = (BLOCK_ROWS * K32 * 64 + X_CHUNK_BYTES - 1) / X_CHUNK_BYTES;
+  const int64_t chunk = (K32 + chunks - 1) / chunks, groups = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  std::vector<__m512> partial(chunks > 1 ? per_panel * TILE * BLOCK_ROWS : 0);
+  std::vector<float> sums(per_panel * BLOCK_ROWS * TILE);  // tile t's row m at (t * BLOCK_ROWS + m) * TILE
+  for (int64_t t0 = first; t0 < last; t0 += per_panel) {
+    const int64_t t1 = std::min(last, t0 + per_panel), passes = groups * chunks * (t1 - t0) * 2;
+    const uint16_t* panel = w + t0 * tile_size;
+    Prefetch pf(panel + (t1 - t0) * tile_size, (std::min(last, t1 + per_panel) - t1) * tile_size * 2,
+                ((t1 - t0) * tile_size * 2 + passes - 1) / passes);
+    for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
+      const uint16_t* xm = x + m0 * K32 * 32;
+      const int64_t rows_x = std::min(BLOCK_ROWS, M - m0);
+      for (int64_t k0 = 0; k0 < K32; k0 += chunk) {
+        const int64_t k1 = std::min(K32, k0 + chunk);
+        for (int64_t t = 0; t < t1 - t0; t++)
+          for (int64_t h = 0; h < TILE; h += 4) {
+            pf.step();
+            const uint16_t* rows = panel + t * tile_size + h * 32;
+            __m512* part = partial.data() + (t * TILE + h) * BLOCK_ROWS;
+            float* out = sums.data() + t * BLOCK_ROWS * TILE + h;
+            switch (rows_x) {
+              case 1: block_bf16<1>(xm, rows, k0, k1, K32, part, out); break;
+              case 2: block_bf16<2>(xm, rows, k0, k1, K32, part, out); break;
+              case 3: block_bf16<3>(xm, rows, k0, k1, K32, part, out); break;
+              case 4: block_bf16<4>(xm, rows, k0, k1, K32, part, out); break;
+              case 5: block_bf16<5>(xm, rows, k0, k1, K32, part, out); break;
+              default: block_bf16<BLOCK_ROWS>(xm, rows, k0, k1, K32, part, out);
+            }
+          }
+      }
+      for (int64_t t = t0; t < t1; t++)
+        store_rows_bf16(reinterpret_cast<const float(*)[TILE]>(sums.data() + (t - t0) * BLOCK_ROWS * TILE), rows_x,
+                        bias, t * TILE, std::min(TILE, N - t * TILE), y + m0 * N, N);
+    }
+  }
+}
+
 // y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16 x (M x K), tiled w (N x K32 * 32, padded) and bias.
-// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16.
+// One row of x reads each tile once (dot_bf16_tile); more rows go through many_rows_bf16 (from PANEL_MIN_ROWS rows
+// matvec_bf16_tiled takes panels_bf16 instead).
 void rows_bf16_tiled(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, int64_t K32,
                      const c10::BFloat16* bias, c10::BFloat16* y, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += TILE) {
@@ -423,6 +523,12 @@ at::Tensor matvec_bf16_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t 
   const auto* bp = bias.has_value() ? static_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   auto* yp = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t K32 = w.size(1);
+  if (M >= PANEL_MIN_ROWS) {
+    const at::Tensor packed = pack_rows_bf16(xp, M, K, K32);
+    const auto* pp = static_cast<const uint16_t*>(packed.data_ptr());
+    split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { panels_bf16(pp, M, wp, N, K32, bp, yp, n0, n1); });
+    return y;
+  }
   split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_bf16_tiled(xp, M, wp, N, K, K32, bp, yp, n0, n1); });
   return y;
 }
