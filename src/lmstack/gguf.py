@@ -544,8 +544,8 @@ class GGUFFile(GGUFHeader):
         kind, rows, row_bytes = GGUF_TYPES[t.type.value], t.dims[1], t.nbytes // max(1, t.dims[1])
         source, group = None, kind.tile
         if self._permuted(name):  # each unit of rows the threads take holds whole heads: one read each
-            per_head = rows // self._heads(name, rows)
-            source, group = torch.from_numpy(unpermuted_order(rows, rows // per_head)), math.lcm(kind.tile, per_head)
+            heads = self._heads(name, rows)
+            source, group = torch.from_numpy(unpermuted_order(rows, heads)), math.lcm(kind.tile, rows // heads)
         unit = group * max(1, PACK_UNIT_BYTES // (group * max(1, row_bytes)))
         bad, error = read_pack_gguf(self._fd(), t.offset, source, out, row, rows, n, t.type.value, unit)
         if error:
@@ -660,18 +660,19 @@ def tokenizer_data(header: GGUFHeader) -> TokenizerData:
     check("tokenizer.ggml.model", isinstance(model, str), "a string")
     pre = header.get("tokenizer.ggml.pre", None)
     check("tokenizer.ggml.pre", pre is None or isinstance(pre, str), "a string")
-    def array_of(key, kinds, expected):  # checked by its items' declared type, not item by item
+
+    def array_of(key, kinds, expected, *default):  # its items checked by their declared type, not one by one
         field = header.field(key)
         check(key, field is None or field.type == GGUFValueType.ARRAY and field.item_type in kinds, expected)
-        return None if field is None else header.get(key)
+        return header.get(key, *default)
 
     tokens = array_of("tokenizer.ggml.tokens", (GGUFValueType.STRING,), "a non-empty list of strings")
     check("tokenizer.ggml.tokens", bool(tokens), "a non-empty list of strings")
-    types = array_of("tokenizer.ggml.token_type", INTEGERS, "one integer type per token") or [1] * len(tokens)
+    types = array_of("tokenizer.ggml.token_type", INTEGERS, "one integer type per token", [1] * len(tokens))
     check("tokenizer.ggml.token_type", len(types) == len(tokens), "one integer type per token")
-    scores = array_of("tokenizer.ggml.scores", INTEGERS + FLOATS, "one number per token")
+    scores = array_of("tokenizer.ggml.scores", INTEGERS + FLOATS, "one number per token", None)
     check("tokenizer.ggml.scores", scores is None or len(scores) == len(tokens), "one number per token")
-    merges = array_of("tokenizer.ggml.merges", (GGUFValueType.STRING,), "'left right' strings")
+    merges = array_of("tokenizer.ggml.merges", (GGUFValueType.STRING,), "'left right' strings", None)
     check("tokenizer.ggml.merges", merges is None or all(m.count(" ") == 1 for m in merges), "'left right' strings")
     ids = {key: header._int(f"tokenizer.ggml.{key}_token_id", None, minimum=0)
            for key in ("bos", "unknown", "padding")}
