@@ -30,7 +30,7 @@ what a dense model of the file's size reads), beside each engine's peak RSS (VmH
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
 file's, so the share is an effective one.
 `--cold-start` adds the seconds from starting `lmstack generate` to its first token (and to its exit), beside
-llama.cpp's `llama-completion`. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
+llama.cpp's `llama-completion`; `--cold-start-only` measures that alone. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
 one (a second worker, the two alternating), beside llama-bench's at the same counts, and the plain read on one thread: the
 bound of that multiple where decode is bandwidth-bound.
 """
@@ -504,6 +504,7 @@ def main():
     parser.add_argument("--llama-completion", default=shutil.which("llama-completion"),
                         help="llama.cpp's llama-completion binary, for --cold-start")
     parser.add_argument("--cold-start", action="store_true", help="seconds to the first token, per file")
+    parser.add_argument("--cold-start-only", action="store_true", help="--cold-start, and no decode rows")
     parser.add_argument("--scaling", action="store_true",
                         help="decode on --threads threads as a multiple of 1 thread's, per row, and the plain read's")
     parser.add_argument("--bandwidth", type=float, help="GB/s of a plain read (default: bench/bandwidth.py's)")
@@ -547,13 +548,14 @@ def main():
     load_before = os.getloadavg()
     bandwidth_one = read_bandwidth(1) if args.scaling else None
     rows, records, cold = [], [], {}
-    for file_type, weight_format in rows_spec:
+    args.cold_start |= args.cold_start_only
+    for file_type, weight_format in [] if args.cold_start_only else rows_spec:
         measured, record = measure_row(file_type, files[file_type], weight_format, args, prompt, long_prompt,
                                        contexts, hf_dir if file_type == "BF16" else None)
         rows += measured
         records.append(record)
         print(f"  measured {file_type}={weight_format}", file=sys.stderr)
-    if not args.no_lookup:
+    if not args.no_lookup and not args.cold_start_only:
         rows += prompt_lookup_rows(files, args)
     if args.cold_start:
         cold = {f"{file_type} ({files[file_type].name})": cold_start(files[file_type], args)
@@ -564,9 +566,10 @@ def main():
           f"plain {args.threads}-thread read: per row, in the second table"
           f"{f'; 1-thread read: {bandwidth_one:.1f} GB/s' if bandwidth_one else ''}\n"
           f"load average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
-    print(table(rows))
-    print()
-    print(memory_table(records))
+    if rows:
+        print(table(rows))
+        print()
+        print(memory_table(records))
     if cold:
         print()
         print(cold_start_table(cold))
