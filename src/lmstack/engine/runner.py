@@ -26,14 +26,9 @@ class Runner:
     def run(self, batch, on_layers=None) -> tuple[list, torch.Tensor]:
         """batch: [(seq, n)], n tokens of seq to compute. Returns the seqs whose tokens are then all computed and
         their logits (len(seqs), vocab), one row each, so that a step's greedy rows are chosen in one call.
-        on_layers: called as the layers start (a transformer's: CausalLM.forward_paged's; a recurrent model's: before
-        its forwards)."""
+        on_layers: called as a transformer's layers start (CausalLM.forward_paged)."""
         with torch.no_grad(), row_invariant():
-            if not self.recurrent:
-                return self._paged(batch, on_layers)
-            if on_layers is not None:
-                on_layers()
-            return self._recurrent(batch)
+            return self._recurrent(batch) if self.recurrent else self._paged(batch, on_layers)
 
     def _paged(self, batch, on_layers):
         size, device = self.block_size, self.model.device
