@@ -69,8 +69,8 @@ class Recorder:
     def __init__(self, engine):
         self.logits, run = {}, engine.runner.run
 
-        def recording(batch, *rest):
-            seqs, logits = results = run(batch, *rest)
+        def recording(batch):
+            seqs, logits = results = run(batch)
             for seq, row in zip(seqs, logits):
                 self.logits.setdefault(seq.arrival, []).append(row.clone())
             return results

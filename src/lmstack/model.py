@@ -598,14 +598,12 @@ class CausalLM:
         return 2 * self.plan.n_layers * o["n_kv_heads"] * o["head_dim"] * block_size * self.dtype.itemsize
 
     @torch.no_grad()
-    def forward_paged(self, ids, positions, seqs, tables, slots, pages, rows, on_layers=None) -> torch.Tensor:
+    def forward_paged(self, ids, positions, seqs, tables, slots, pages, rows) -> torch.Tensor:
         """Tokens of many sequences in one forward, reading and writing keys and values through block tables.
 
         ids, positions, seqs, slots (T,): each token, its position, its sequence (row of `tables`, (S, max_blocks))
         and the pool slot its keys and values go to; `pages` from allocate_pages. Returns float32 logits
-        (len(rows), vocab) at the flat token indices `rows`. on_layers(), if given, is called just before the
-        layers run, which hold no GIL: other Python threads (an engine's HTTP streams) run then without slowing
-        this forward's Python.
+        (len(rows), vocab) at the flat token indices `rows`.
         """
         x = self._embed(ids)[None]
         if self.rotary.long is not None:
@@ -613,10 +611,7 @@ class CausalLM:
         cos, sin = self.rotary(positions[None], self.dtype, seqs[None])  # (LongRoPE chooses per sequence)
         local = self.local_rotary(positions[None], self.dtype, seqs[None]) if self.local_rotary else None
         ctx = PagedContext(cos, sin, slots, tables, seqs, positions, local)
-        stack = self._fused_stack(x, ctx)
-        if on_layers is not None:
-            on_layers()
-        if stack is not None:
+        if (stack := self._fused_stack(x, ctx)) is not None:
             x = stack.paged(x, cos, sin, [p.k for p in pages], [p.v for p in pages], slots, tables, seqs, positions,
                             *(local or (None, None)))
         else:

@@ -266,7 +266,6 @@ class Engine:
         self._incoming: list[Handle] = []
         self._aborts: list[Handle] = []
         self._handles: dict[Seq, Handle] = {}
-        self._unannounced: list[Handle] = []  # given tokens by the last step; woken as the next one's layers start
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -455,12 +454,8 @@ class Engine:
 
     def _run(self, batch):
         if not batch:
-            self._announce()
             return
-        try:
-            seqs, logits = self.runner.run(batch, self._announce)
-        finally:
-            self._announce()  # where the forward did not (a recurrent model's, or one that failed first)
+        seqs, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.n_computed += n
             if self.pool is not None:
@@ -481,17 +476,8 @@ class Engine:
                 if reason is not None:
                     self._end(handle, reason)
         finally:
-            self._unannounced = handles
+            _wake(handles)
         grammar.compute_ahead([h._decoder.mask for h in self._handles.values()])
-
-    def _announce(self):
-        """Wake the waiters of the tokens the last step made. Called as the next step's layers start, which hold no
-        GIL, so that the streams' Python (an HTTP server's: a chunk per stream) runs while they compute: woken at
-        once, it held the GIL while this step's own Python (scheduling, inputs, embedding, rotary tables) waited for
-        it at each operator, 8% of a 16-stream step. A request that ends is woken at once (Handle._finish); one
-        that goes on has a next step."""
-        handles, self._unannounced = self._unannounced, []
-        _wake(handles)
 
     def _end(self, handle: Handle, reason: str, error: EngineError | None = None):
         """Drop a request; the stats count it gone before its caller can see it finish."""

@@ -23,14 +23,13 @@ class Runner:
             self.pages = model.allocate_pages(n_blocks, block_size)
             self.chunk_align = 1
 
-    def run(self, batch, on_layers=None) -> tuple[list, torch.Tensor]:
+    def run(self, batch) -> tuple[list, torch.Tensor]:
         """batch: [(seq, n)], n tokens of seq to compute. Returns the seqs whose tokens are then all computed and
-        their logits (len(seqs), vocab), one row each, so that a step's greedy rows are chosen in one call.
-        on_layers: called as a transformer's layers start (CausalLM.forward_paged)."""
+        their logits (len(seqs), vocab), one row each, so that a step's greedy rows are chosen in one call."""
         with torch.no_grad(), row_invariant():
-            return self._recurrent(batch) if self.recurrent else self._paged(batch, on_layers)
+            return self._recurrent(batch) if self.recurrent else self._paged(batch)
 
-    def _paged(self, batch, on_layers):
+    def _paged(self, batch):
         size, device = self.block_size, self.model.device
         ids, positions, seqs, slots, rows, sampled = [], [], [], [], [], []
         for i, (seq, n) in enumerate(batch):
@@ -46,7 +45,7 @@ class Runner:
         tables = [seq.kv.blocks + [0] * (width - len(seq.kv.blocks)) for seq, _ in batch]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         logits = self.model.forward_paged(as_tensor(ids), as_tensor(positions), as_tensor(seqs), as_tensor(tables),
-                                          as_tensor(slots), self.pages, as_tensor(rows), on_layers)
+                                          as_tensor(slots), self.pages, as_tensor(rows))
         return sampled, logits
 
     def _recurrent(self, batch):
