@@ -134,6 +134,26 @@ def test_stream_never_splits_a_utf8_character():
     assert pieces[text.encode().index("€".encode())] == ""  # held back: "€!" could start the stop string
 
 
+def test_stream_decoded_a_token_at_a_time_releases_what_whole_decodes_release():
+    """A byte-level tokenizer's stream decodes each token's bytes once (TextStream._decoded); another tokenizer's
+    decodes the whole text every token: the same pieces, for valid and broken UTF-8, with and without stops."""
+    tok = Tokenizer([bytes([b]) for b in range(256)], [], pattern="gpt2")
+
+    class WholeText:  # no decode_bytes: TextStream decodes the whole text each token
+        decode = tok.decode
+
+    g = torch.Generator().manual_seed(0)
+    texts = ["né 😀 €!x ok", "\ufffd end \ufffd", "a€b"]
+    for k in range(60):
+        data = texts[k % 3].encode() if k < 3 else torch.randint(0, 256, (k % 24 + 1,), generator=g).tolist()
+        if 3 <= k < 30:  # whole characters among the random bytes
+            data = list("é€😀".encode()) + list(data) + list("😀".encode())[:k % 4]
+        for stop in ((), ("€!",), ("\ufffd",), ("x o",)):
+            streams = [TextStream(tok, stop), TextStream(WholeText(), stop)]
+            pieces = [[s.push(b) for b in data] + [s.finish()] for s in streams]
+            assert pieces[0] == pieces[1] and streams[0].stopped == streams[1].stopped
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "qwen3"])
 def test_ragged_batch_gives_each_row_its_tokens_alone(tiny_checkpoint, name):
     lm = CausalLM.load(tiny_checkpoint(name)[0], device="cpu")

@@ -188,6 +188,28 @@ def test_chat_uses_the_template_and_streams_the_same_text(client, model):
     assert all(chunk.usage is None and chunk.choices for chunk in no_usage)
 
 
+def test_a_streams_plain_text_chunks_are_the_bytes_its_models_write():
+    """Streams write their plain text chunks around a marker rendered once (app._TextChunks): every character
+    is escaped as pydantic escapes it, in a completion's and a chat's chunk, whatever the choice."""
+    from lmstack.server import protocol as p
+    from lmstack.server.app import _TextChunks
+
+    def completion(index, text):
+        return p.Completion(id="cmpl-1", created=1, model='a "model"', choices=[
+            p.CompletionChoice(index=index, text=text)]).model_dump_json(exclude={"usage"})
+
+    def chat(index, text):
+        return p.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[
+            p.ChatChunkChoice(index=index, delta=p.Delta(content=text))]).model_dump_json()
+
+    texts = ["".join(map(chr, range(128))), ' "quoted" \\ back', "é ü 中文 \u2028 \u2029 🙂", "", "0" * 32]
+    for render in (completion, chat):
+        plain = _TextChunks(render)
+        for index in (0, 2, 0):
+            for text in texts:
+                assert plain(index, text) == render(index, text)
+
+
 def test_tools_reach_the_chat_template(client, server, model):
     _, tokenizer = model
     tools = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city",

@@ -16,6 +16,7 @@ import struct
 import sys
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -331,6 +332,8 @@ def create_app(service: Service) -> Starlette:
             return None if top is None else p.ChoiceLogprobs(content=_token_logprobs(service, handle, start, end))
 
         if req.stream:
+            plain = _TextChunks(lambda i, content: chunk(i, p.Delta(content=content)))
+
             async def chunks():
                 streams = [tools.ToolStream(parser) if parser else None for _ in handles]
                 made = [0] * len(handles)  # tool calls sent, per choice
@@ -343,7 +346,9 @@ def create_app(service: Service) -> Starlette:
                         content, calls = stream.feed(text) if stream else (text, [])
                     else:
                         content, calls = stream.finish() if stream else ("", [])
-                    if content or calls or (span is not None and top is not None):
+                    if content and not calls and top is None:
+                        yield plain(i, content)
+                    elif content or calls or (span is not None and top is not None):
                         deltas = [p.DeltaToolCall(index=made[i] + k, id=tools.call_id(), type="function",
                                                   function=p.DeltaFunction(name=name, arguments=arguments))
                                   for k, (name, arguments) in enumerate(calls)]
@@ -400,6 +405,8 @@ def create_app(service: Service) -> Starlette:
             return _completion_logprobs(entries, offset)
 
         if req.stream:
+            plain = _TextChunks(chunk)
+
             async def chunks():
                 sent = [0] * len(handles)  # characters sent per choice, for text_offset
                 if echoed is not None:
@@ -414,7 +421,8 @@ def create_app(service: Service) -> Starlette:
                         continue
                     text = "".join(handle.pieces[span[0]:span[1]])
                     if text or top is not None:
-                        yield chunk(i, text, logprobs=logprobs(handle, *span, sent[i]))
+                        yield (plain(i, text) if top is None else
+                               chunk(i, text, logprobs=logprobs(handle, *span, sent[i])))
                         sent[i] += len(text)
                 if req.include_usage:
                     yield chunk(0, None, usage=p.Usage.of(*handles))
@@ -554,6 +562,22 @@ async def _collect(service: Service, request: Request, handles) -> list[str]:
         for handle in handles:
             if handle.finish_reason is None:
                 handle.abort()
+
+
+class _TextChunks:
+    """A stream's chunks of plain text, as render(index, text) writes them, without building its models for each:
+    rendered once per choice around a marker, a chunk is the text's JSON string between the two halves, the same
+    bytes (json.dumps without ensure_ascii escapes every character as pydantic does)."""
+
+    def __init__(self, render):
+        self.render, self.halves = render, {}
+
+    def __call__(self, index: int, text: str) -> str:
+        halves = self.halves.get(index)
+        if halves is None:
+            marker = uuid.uuid4().hex
+            halves = self.halves[index] = self.render(index, marker).split(json.dumps(marker))
+        return json.dumps(text, ensure_ascii=False).join(halves)
 
 
 async def _merged(handles):
