@@ -42,6 +42,7 @@ using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 using lmstack::transpose16;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
+constexpr int F32_ROWS = 4;         // float32 rows of x that share each dequantized K-quant weight: 16 sums
 constexpr int MAX_ROWS = 16;        // rows of x that share each unpacked block of weights: 16 accumulators
 
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml's type ids
@@ -855,13 +856,17 @@ inline void part_with_factors(const uint8_t* rec, int p, __m512i* w, __m512* sca
   for (int s = 0; s < SUBS; s++) T::factors(rec, T::column(p, G * s) / T::SUB, scale_f[s], min_f[s]);
 }
 
-// dot products of one float32 row x (KB * 256) with the 16 rows of one regrouped K-quant tile: each column's 16
-// weights as gguf.quants.dequantize gives them (T::weights) times x's value, in four float32 sums by column mod 4
-template <class T>
-void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+// dot products of MR float32 rows of x (KB * 256 each, K apart) with the 16 rows of one regrouped K-quant tile: each
+// column's 16 weights as gguf.quants.dequantize gives them (T::weights), computed once for the MR rows, times each
+// row's value, in four float32 sums a row by column mod 4 (the same sums whatever MR: a row's bits do not depend on
+// the rows beside it)
+template <class T, int MR>
+void dot_k_f32_rows(const float* x, int64_t K, const uint8_t* rec, int64_t KB, float (*out)[REGROUPED_TILE]) {
   constexpr int64_t R = REGROUPED_TILE * T::BYTES;
   constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; b++, rec += R, x += 256) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     for (int p = 0; p < T::PARTS; p++) {
@@ -873,11 +878,13 @@ void dot_k_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) 
         for (int t = 0; t < 4; t++) {
           const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * t), _mm512_set1_epi32(0xFF));
           const __m512 weight = T::weights(scale_f[i / G], min_f[i / G], q);
-          acc[t] = _mm512_fmadd_ps(weight, _mm512_set1_ps(x[T::column(p, i) + t]), acc[t]);
+          for (int m = 0; m < MR; m++)
+            acc[m][t] = _mm512_fmadd_ps(weight, _mm512_set1_ps(x[m * K + T::column(p, i) + t]), acc[m][t]);
         }
     }
   }
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  for (int m = 0; m < MR; m++)
+    _mm512_storeu_ps(out[m], _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
 }
 
 // A regrouped K-quant record's float16 fields a row (d, dmin), where the rest of a block starts (after them, or
@@ -1109,7 +1116,13 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     in_passes(shared, [&](int64_t m0, int64_t block, const uint8_t* rec, float (*sums)[REGROUPED_TILE],
                           lmstack::Prefetch* ahead) {
       if (f32)
-        for (int64_t i = 0; i < block; i++) dot_k_f32_tile<T>(xf + (m0 + i) * K, rec, KB, sums[i]);
+        for (int64_t i = 0; i < block; i += F32_ROWS)
+          switch (std::min<int64_t>(F32_ROWS, block - i)) {
+            case 1: dot_k_f32_rows<T, 1>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
+            case 2: dot_k_f32_rows<T, 2>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
+            case 3: dot_k_f32_rows<T, 3>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
+            default: dot_k_f32_rows<T, F32_ROWS>(xf + (m0 + i) * K, K, rec, KB, sums + i);
+          }
       else
         (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
     });
