@@ -42,7 +42,7 @@ using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 using lmstack::transpose16;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
-constexpr int F32_ROWS = 4;         // float32 rows of x that share each dequantized K-quant weight: 16 sums
+constexpr int F32_ROWS = 4;         // float32 rows of x that share each dequantized weight: 16 sums
 constexpr int MAX_ROWS = 16;        // rows of x that share each unpacked block of weights: 16 accumulators
 
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml's type ids
@@ -99,12 +99,28 @@ inline __m512 weights_of(__m512i q, __m512 d, __m512 m) {
 
 // ---- float32 activations: weights dequantized exactly --------------------------------------------
 
-// dot products of one float32 row x (KB * 32) with the 16 rows of one tile (KB records from rec): each column's 16
-// weights times x's value, in four float32 sums by column mod 4
-template <int64_t T>
-void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
+// f.template operator()<MR>(i) for the rows i..i + MR - 1 of a pass of `rows`, F32_ROWS at a time
+template <class F>
+void by_f32_rows(int64_t rows, const F& f) {
+  for (int64_t i = 0; i < rows; i += F32_ROWS)
+    switch (std::min<int64_t>(F32_ROWS, rows - i)) {
+      case 1: f.template operator()<1>(i); break;
+      case 2: f.template operator()<2>(i); break;
+      case 3: f.template operator()<3>(i); break;
+      default: f.template operator()<F32_ROWS>(i);
+    }
+}
+
+// dot products of MR float32 rows of x (KB * 32 each, K apart) with the 16 rows of one regrouped tile: each
+// column's 16 weights dequantized as gguf.quants.dequantize gives them, once for the MR rows, times each row's value,
+// in four float32 sums a row by column mod 4 (the same sums whatever MR: a row's bits do not depend on the rows
+// beside it)
+template <int64_t T, int MR>
+void dot_f32_rows(const float* x, int64_t K, const uint8_t* rec, int64_t KB, float (*out)[REGROUPED_TILE]) {
   constexpr int64_t R = record_bytes(T);
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; b++, rec += R) {
     for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
     const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
@@ -114,10 +130,13 @@ void dot_f32_tile(const float* x, const uint8_t* rec, int64_t KB, float* out) {
     for (int g = 0; g < 8; g++)
       for (int t = 0; t < 4; t++) {
         const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w[g], 8 * t), _mm512_set1_epi32(0xFF));
-        acc[t] = _mm512_fmadd_ps(weights_of<T>(q, d, m), _mm512_set1_ps(x[b * 32 + 4 * g + t]), acc[t]);
+        const __m512 weight = weights_of<T>(q, d, m);
+        for (int r = 0; r < MR; r++)
+          acc[r][t] = _mm512_fmadd_ps(weight, _mm512_set1_ps(x[r * K + b * 32 + 4 * g + t]), acc[r][t]);
       }
   }
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  for (int r = 0; r < MR; r++)
+    _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
 }
 
 // ---- bfloat16 activations: x quantized per block to int8, integer dot products -----------------
@@ -1095,7 +1114,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     in_passes(equal_shares, [&](int64_t m0, int64_t block, const uint8_t* rec, float (*sums)[REGROUPED_TILE],
                                 lmstack::Prefetch* ahead) {
       if (f32)
-        for (int64_t i = 0; i < block; i++) dot_f32_tile<T>(xf + (m0 + i) * K, rec, KB, sums[i]);
+        by_f32_rows(block, [&]<int MR>(int64_t i) { dot_f32_rows<T, MR>(xf + (m0 + i) * K, K, rec, KB, sums + i); });
       else
         dot_q8_rows<T, MAX_ROWS>(block, xb, M, m0, rec, KB, sums, ahead);
     });
@@ -1116,13 +1135,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_, const at::Tensor& w, int64_t type, 
     in_passes(shared, [&](int64_t m0, int64_t block, const uint8_t* rec, float (*sums)[REGROUPED_TILE],
                           lmstack::Prefetch* ahead) {
       if (f32)
-        for (int64_t i = 0; i < block; i += F32_ROWS)
-          switch (std::min<int64_t>(F32_ROWS, block - i)) {
-            case 1: dot_k_f32_rows<T, 1>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
-            case 2: dot_k_f32_rows<T, 2>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
-            case 3: dot_k_f32_rows<T, 3>(xf + (m0 + i) * K, K, rec, KB, sums + i); break;
-            default: dot_k_f32_rows<T, F32_ROWS>(xf + (m0 + i) * K, K, rec, KB, sums + i);
-          }
+        by_f32_rows(block, [&]<int MR>(int64_t i) { dot_k_f32_rows<T, MR>(xf + (m0 + i) * K, K, rec, KB, sums + i); });
       else
         (block == 1 ? dot_k_tile<T, true> : dot_k_tile<T, false>)(xq, M, m0, block, rec, KB, sums, ahead);
     });
