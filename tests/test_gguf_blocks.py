@@ -126,6 +126,29 @@ def test_bfloat16_prefill_multiplies_the_weights_rounded_to_bfloat16(qtype):
     assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
+def test_float32_prefill_multiplies_the_exact_weights(qtype):
+    """Many rows of float32 x (a prefill in the fp32 profile): the weights dequantized exactly, products summed in
+    float32, a sum per block of columns: times the identity each output is the weight itself; otherwise within
+    float32's bound of the exact product and about as near it as F.linear on the dequantized matrix. Columns in
+    several blocks, rows past a register block and a panel."""
+    values = kernels.GGUF_TYPES[qtype.value].values
+    rows, cols = 37, 5 * 256 if values == 256 else 34 * 32
+    raw = random_blocks(qtype, rows, cols, seed=3)
+    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
+    assert torch.equal(kernels.gguf_gemm(torch.eye(cols), packed, qtype.value, rows, None).T, w)
+    x = torch.randn(29, cols, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(rows)
+    y = kernels.gguf_gemm(x, packed, qtype.value, rows, bias)
+    exact = x.double() @ w.double().T + bias.double()
+    bound = cols * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + bias.double().abs()) * 1.01
+    assert y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound).all()
+    error = lambda t: (t.double() - exact).abs().mean() / exact.abs().mean()
+    assert error(y) <= 2 * error(torch.nn.functional.linear(x, w, bias))
+
+
 def quantized_rows(x: torch.Tensor, values: int):
     """x's rows quantized as llama.cpp quantizes them for the type's dot product, (q, d per block): per 256 values
     (Q8_K) the value of largest magnitude, max, gives iscale = -127 / max, q = min(127, rint(iscale * x)),

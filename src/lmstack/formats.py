@@ -18,8 +18,9 @@ any other type is refused at load (gguf.GGUFFile.check_as_stored). The embedding
 looked-up rows are dequantized) and a tied head multiplies them. A fused projection whose parts differ in type
 computes each part as its type and concatenates. The arithmetic of the blocks, per profile:
   fp32: each weight dequantized exactly as gguf.quants.dequantize does (e.g. (d * sc) * q - dmin * m in float32),
-        multiplied with float32 x and summed in float32; for many rows (prefill) the dequantized float32 matrix
-        goes to F.linear.
+        multiplied with float32 x and summed in float32; for many rows (prefill) a float32 GEMM on them: without
+        AMX, lmstack's (kernels.gguf_gemm: a panel dequantized at a time, in cache; PyTorch's float32 F.linear, MKL's,
+        ran 2.5-3x slower on an AMD EPYC), with AMX F.linear on chunks of rows dequantized.
   bf16: llama.cpp's arithmetic on a few rows: x quantized to int8 as llama.cpp does for the type's dot product
         (per 256 columns as its Q8_K for the K-quants, per 32 columns, q = rint(x * 127 / amax) with the float32
         scale amax / 127, for the others), each block's sub-block integer dot products summed exactly
@@ -354,11 +355,11 @@ class GGUFBlocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: lmstack's block kernels on a few rows; on many (a prefill), a GEMM on the weights
         dequantized in x's dtype (exactly in float32, rounded in bfloat16): a panel at a time inside
-        kernels.gguf_gemm for bfloat16 where kernels.gemm_for_prefill, else a chunk of rows at a time for
-        F.linear."""
+        kernels.gguf_gemm where kernels.gemm_for_prefill, else a chunk of rows at a time for F.linear."""
         if self.kernel and (x.numel() <= GGUF_KERNEL_ROWS * self.k or row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
-        if self.kernel and x.dtype == torch.bfloat16 and self.k % 2 == 0 and kernels.gemm_for_prefill():
+        if self.kernel and (x.dtype == torch.float32 or x.dtype == torch.bfloat16 and self.k % 2 == 0) and \
+                kernels.gemm_for_prefill():
             return kernels.gguf_gemm(x, self.weight, self.qtype, self.n, None)
         tile = kernels.GGUF_TYPES[self.qtype].tile
         step = max(tile, GGUF_DENSE_BYTES // (self.k * x.element_size()) // tile * tile)

@@ -85,6 +85,11 @@ using WeightPairs = std::function<void(int64_t n0, int64_t k0, int64_t kc, uint3
 at::Tensor gemm_bf16(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
                      const WeightPairs& pairs);
 
+// y = x @ w.T + bias for many rows of float32 x and bias, w read through `columns` as through gemm_bf16's pairs but
+// a column a word: out[k * GEMM_PANEL + n] = row n0 + n's float32 column k0 + k (kernels_gemm.cpp)
+at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                    const WeightPairs& columns);
+
 // GEMM_PANEL bfloat16 rows (row n at rows + n * stride, kc columns read, rounded up to a multiple of 32) as pairs
 void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out);
 

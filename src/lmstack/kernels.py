@@ -407,9 +407,9 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
 
 
 def gguf_gemm(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T + bias for many rows of bfloat16 x (a prefill), w the n rows of pack_gguf's blocks dequantized to
-    bfloat16 a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives, without a dense
-    copy of them. K must be even."""
+    """x @ w.T + bias for many rows of bfloat16 or float32 x (a prefill), w the n rows of pack_gguf's blocks
+    dequantized in x's dtype a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives,
+    without a dense copy of them. For bfloat16 x, K must be even."""
     return torch.ops.lmstack.gguf_gemm(x, packed, qtype, n, bias)
 
 

@@ -1,12 +1,13 @@
-// Many rows of bfloat16 x times weights as lmstack stores them (a prefill): y = x @ w.T + bias, one GEMM that reads
-// the stored weights once, with no dense copy of the matrix. Handing F.linear a plain matrix costs a copy of every
+// Many rows of bfloat16 (or float32) x times weights as lmstack stores them (a prefill): y = x @ w.T + bias, one
+// GEMM that reads the stored weights once, with no dense copy of the matrix. Handing F.linear a plain matrix costs a copy of every
 // weight first (untiling the bfloat16 tiles, dequantizing GGUF blocks), a third of the GEMM's time at 512 rows.
 //
 // Each thread takes panels of GEMM_PANEL output columns. A panel's weights come a block of columns at a time from
 // the caller (WeightPairs: transposed from the tiles, or dequantized from blocks, into a buffer that stays in cache),
 // interleaved in pairs of columns as AVX512-BF16's dot product takes them, and meet every row of x: MR rows x 32
 // columns of float32 sums in registers, each step one pair of x's columns broadcast against 32 columns' pairs of
-// weights. Sums are float32, carried across column blocks, rounded to bfloat16 once at the end.
+// weights. Sums are float32, carried across column blocks, rounded to bfloat16 once at the end. In float32 a step
+// is one column of x broadcast against 32 columns of weights, and each block of columns has a sum of its own.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@ using lmstack::GEMM_PANEL;
 using lmstack::TILE;
 constexpr int64_t MR = 12;        // rows of x per register block: 24 accumulators
 constexpr int64_t KC = 1024;      // columns of w per block at most: a panel's pairs (64 KiB) stay in L2
+constexpr int64_t F32_KC = 256;   // in float32: the columns of one sum of products, added to the others after
 constexpr int64_t X_AHEAD = 1024;  // x's values (4 bytes each) prefetched ahead of the register block's reads
 constexpr int64_t MC = 43 * MR;   // rows of x per pass over a panel (whole register blocks): their sums stay in L2
 
@@ -46,45 +48,53 @@ inline void transpose_pairs(const uint16_t* const* at, uint32_t* out) {
   for (int p = 0; p < 16; p++) _mm512_store_si512(out + p * GEMM_PANEL, v[p]);
 }
 
-// sums[R x 32] (+)= R rows of x, as pairs[p][r] (MR a step), times the panel's P pairs
-template <int R>
+// sums[R x 32] (+)= R rows of x, as pairs[p][r] (MR a step), times the panel's P pairs. In float32 (F32: x's and the
+// panel's words are float32 values, one column a step) the block's products are summed apart and then added to
+// sums, a sum per block of columns, as a float32 BLAS blocks them: one sum over all of K drifts twice as far from
+// the exact product
+template <int R, bool F32>
 void block(const uint32_t* x, const uint32_t* pairs, int64_t P, float* sums, bool first) {
   __m512 acc[R][2];
   for (int r = 0; r < R; r++)
     for (int h = 0; h < 2; h++)
-      acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * GEMM_PANEL + 16 * h);
+      acc[r][h] = first || F32 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * GEMM_PANEL + 16 * h);
   for (int64_t p = 0; p < P; p++, x += MR) {
     _mm_prefetch((const char*)(x + X_AHEAD), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_load_si512(pairs + p * GEMM_PANEL);
-    const __m512bh w1 = (__m512bh)_mm512_load_si512(pairs + p * GEMM_PANEL + 16);
+    const __m512i w0 = _mm512_load_si512(pairs + p * GEMM_PANEL), w1 = _mm512_load_si512(pairs + p * GEMM_PANEL + 16);
     for (int r = 0; r < R; r++) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      const __m512i a = _mm512_set1_epi32(int32_t(x[r]));
+      if constexpr (F32) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(w0), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(w1), acc[r][1]);
+      } else {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)w1);
+      }
     }
   }
   for (int r = 0; r < R; r++)
-    for (int h = 0; h < 2; h++) _mm512_storeu_ps(sums + r * GEMM_PANEL + 16 * h, acc[r][h]);
+    for (int h = 0; h < 2; h++) {
+      float* at = sums + r * GEMM_PANEL + 16 * h;
+      _mm512_storeu_ps(at, F32 && !first ? _mm512_add_ps(_mm512_loadu_ps(at), acc[r][h]) : acc[r][h]);
+    }
 }
 
-template <int R = MR>
+template <bool F32, int R = MR>
 void block_of(int64_t rows, const uint32_t* x, const uint32_t* pairs, int64_t P, float* sums, bool first) {
   if constexpr (R > 1)
-    if (rows < R) return block_of<R - 1>(rows, x, pairs, P, sums, first);
-  block<R>(x, pairs, P, sums, first);
+    if (rows < R) return block_of<F32, R - 1>(rows, x, pairs, P, sums, first);
+  block<R, F32>(x, pairs, P, sums, first);
 }
 
-// x (M x K bfloat16) -> for each MR rows, pairs[p][r] = the 32 bits of row r's columns 2p, 2p + 1 (zeros past M):
-// the rows a register block reads, in the order it reads them (rows K apart would share an L1 set)
-void interleave_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* out) {
-  const int64_t P = K / 2;
+// x (M rows of P 32-bit words: bfloat16 pairs, or float32 values) -> for each MR rows, out[p][r] = row r's word p
+// (zeros past M): the rows a register block reads, in the order it reads them (rows apart would share an L1 set)
+void interleave_rows(const uint32_t* x, int64_t M, int64_t P, uint32_t* out) {
   at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       uint32_t* o = out + b * P * MR;
       for (int64_t r = 0; r < MR; r++) {
         const int64_t m = b * MR + r;
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * K);
-        for (int64_t p = 0; p < P; p++) o[p * MR + r] = m < M ? row[p] : 0;
+        for (int64_t p = 0; p < P; p++) o[p * MR + r] = m < M ? x[m * P + p] : 0;
       }
     }
   });
@@ -103,31 +113,35 @@ void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* o
     }
 }
 
-at::Tensor gemm_bf16(const at::Tensor& x_, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
-                     const WeightPairs& weight_pairs) {
+// y = x @ w.T + bias: x and bias bfloat16 (the columns' pairs in a word), or float32 (F32: a column a word, a block
+// of columns at most F32_KC, the output float32)
+template <bool F32>
+at::Tensor gemm(const at::Tensor& x_, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                const WeightPairs& weight_pairs) {
   const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "gemm_bf16: x must be a bfloat16 CPU tensor");
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  TORCH_CHECK(K % 2 == 0 && granule % 2 == 0, "gemm_bf16: x's columns (", K, ") must be even");
+  const auto dtype = F32 ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == dtype, "gemm: x must be a ", dtype,
+              " CPU tensor");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, per_word = F32 ? 1 : 2;
+  TORCH_CHECK(K % per_word == 0 && granule % per_word == 0, "gemm_bf16: x's columns (", K, ") must be even");
   std::vector<float> bias_f(N, 0.f);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
-                "gemm_bf16: bias must be a bfloat16 vector of ", N);
-    const at::Tensor b = bias->contiguous();
-    for (int64_t n = 0; n < N; n++) bias_f[n] = float(b.data_ptr<c10::BFloat16>()[n]);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype, "gemm: bias must be a ",
+                dtype, " vector of ", N);
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + N, bias_f.begin());
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   if (M == 0 || N == 0) return y;
-  const int64_t blocks = (K + KC - 1) / KC;
+  const int64_t kc_max = F32 ? F32_KC : KC, blocks = (K + kc_max - 1) / kc_max;
   const int64_t step = std::min(K, ((K + blocks - 1) / blocks + granule - 1) / granule * granule);
-  auto xp = aligned<uint32_t>((M + MR - 1) / MR * MR * (K / 2));
-  interleave_rows(static_cast<const uint16_t*>(x.data_ptr()), M, K, xp.get());
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  const int64_t P = K / per_word;
+  auto xp = aligned<uint32_t>((M + MR - 1) / MR * MR * P);
+  interleave_rows(static_cast<const uint32_t*>(x.data_ptr()), M, P, xp.get());
   at::parallel_for(0, (N + GEMM_PANEL - 1) / GEMM_PANEL, 1, [&](int64_t p0, int64_t p1) {
-    auto pairs = aligned<uint32_t>(GEMM_PANEL * (step + 31) / 32 * 16);
+    auto pairs = aligned<uint32_t>(GEMM_PANEL * ((step + 31) / 32 * 32) / per_word);
     auto sums = aligned<float>(std::min(M, MC) * GEMM_PANEL);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t mc = std::min(MC, M - m0);
@@ -137,8 +151,8 @@ at::Tensor gemm_bf16(const at::Tensor& x_, int64_t N, int64_t granule, const std
           const int64_t kc = std::min(step, K - k0);
           weight_pairs(n0, k0, kc, pairs.get());
           for (int64_t m = 0; m < mc; m += MR)
-            block_of(std::min(MR, mc - m), xp.get() + (m0 + m) * (K / 2) + k0 / 2 * MR, pairs.get(), kc / 2,
-                     sums.get() + m * GEMM_PANEL, k0 == 0);
+            block_of<F32>(std::min(MR, mc - m), xp.get() + (m0 + m) * P + k0 / per_word * MR, pairs.get(),
+                          kc / per_word, sums.get() + m * GEMM_PANEL, k0 == 0);
         }
         const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(width, 16)) - 1);
         const __mmask16 hi = (__mmask16)(width > 16 ? (1u << (width - 16)) - 1 : 0);
@@ -146,15 +160,30 @@ at::Tensor gemm_bf16(const at::Tensor& x_, int64_t N, int64_t granule, const std
         const __m512 b1 = _mm512_maskz_loadu_ps(hi, bias_f.data() + n0 + 16);
         for (int64_t m = 0; m < mc; m++) {
           const float* s = sums.get() + m * GEMM_PANEL;
-          uint16_t* out = yp + (m0 + m) * N + n0;
-          _mm256_mask_storeu_epi16(out, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(s), b0)));
-          _mm256_mask_storeu_epi16(out + 16, hi,
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(s + 16), b1)));
+          const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(s), b0), v1 = _mm512_add_ps(_mm512_loadu_ps(s + 16), b1);
+          if constexpr (F32) {
+            float* out = static_cast<float*>(y.data_ptr()) + (m0 + m) * N + n0;
+            _mm512_mask_storeu_ps(out, lo, v0), _mm512_mask_storeu_ps(out + 16, hi, v1);
+          } else {
+            uint16_t* out = static_cast<uint16_t*>(y.data_ptr()) + (m0 + m) * N + n0;
+            _mm256_mask_storeu_epi16(out, lo, (__m256i)_mm512_cvtneps_pbh(v0));
+            _mm256_mask_storeu_epi16(out + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
+          }
         }
       }
     }
   });
   return y;
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                     const WeightPairs& pairs) {
+  return gemm<false>(x, N, granule, bias, pairs);
+}
+
+at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
+                    const WeightPairs& columns) {
+  return gemm<true>(x, N, granule, bias, columns);
 }
 
 }  // namespace lmstack

@@ -1293,6 +1293,18 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   return out;
 }
 
+// GEMM_PANEL float32 rows of kc columns (row n at rows + n * kc, kc a multiple of 16) as gemm_f32's columns:
+// out[k * GEMM_PANEL + n] = row n's column k, 16 x 16 transposes of 32-bit values
+void columns_of_rows(const float* rows, int64_t kc, uint32_t* out) {
+  for (int64_t k = 0; k < kc; k += 16)
+    for (int64_t half = 0; half < lmstack::GEMM_PANEL; half += 16) {
+      __m512i v[16];
+      for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(rows + (half + i) * kc + k);
+      transpose16(v);
+      for (int j = 0; j < 16; j++) _mm512_storeu_si512(out + (k + j) * lmstack::GEMM_PANEL + half, v[j]);
+    }
+}
+
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
 // kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
@@ -1304,6 +1316,31 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
+  if (x.scalar_type() == at::kFloat) {  // each weight exactly as gguf_dequantize gives it, a row at a time
+    auto rows_f32 = [&](const auto& row) {
+      y = lmstack::gemm_f32(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+        thread_local std::vector<float> rows;
+        rows.resize(PANEL * kc);
+        for (int64_t i = 0; i < PANEL; i++)
+          if (n0 + i < N)
+            row(n0 + i, k0 / QK, (k0 + kc) / QK, rows.data() + i * kc);
+          else
+            std::memset(rows.data() + i * kc, 0, kc * 4);
+        columns_of_rows(rows.data(), kc, out);
+      });
+    };
+    auto regrouped = [&]<int64_t T>() {
+      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    };
+    auto regrouped_k = [&]<class T>() {
+      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_k_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    };
+    auto whole = [&]<class T>() {
+      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    };
+    with_gguf_type(type, regrouped, regrouped_k, whole);
+    return y;
+  }
   // a panel is two tiles of 16 rows, each record's rows at once (`pairs`: regrouped_pairs or regrouped_k_pairs)
   auto panels = [&](const auto& pairs) {
     const int64_t tiles = w.size(0);
