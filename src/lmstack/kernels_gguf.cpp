@@ -1316,27 +1316,49 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  if (x.scalar_type() == at::kFloat) {  // each weight exactly as gguf_dequantize gives it, a row at a time
-    auto rows_f32 = [&](const auto& row) {
+  if (x.scalar_type() == at::kFloat) {  // each weight exactly as gguf_dequantize gives it
+    // the panel's rows, fill(n0, b0, b1, rows) writing each row's blocks b0..b1 - 1 at rows + i * kc
+    auto panels_f32 = [&](const auto& fill) {
       y = lmstack::gemm_f32(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
         thread_local std::vector<float> rows;
         rows.resize(PANEL * kc);
-        for (int64_t i = 0; i < PANEL; i++)
-          if (n0 + i < N)
-            row(n0 + i, k0 / QK, (k0 + kc) / QK, rows.data() + i * kc);
-          else
-            std::memset(rows.data() + i * kc, 0, kc * 4);
+        fill(n0, k0 / QK, (k0 + kc) / QK, rows.data());
         columns_of_rows(rows.data(), kc, out);
       });
     };
-    auto regrouped = [&]<int64_t T>() {
-      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    auto by_rows = [&](const auto& row) {  // a row at a time (zeros past N)
+      panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+        const int64_t kc = (b1 - b0) * QK;
+        for (int64_t i = 0; i < PANEL; i++)
+          if (n0 + i < N)
+            row(n0 + i, b0, b1, rows + i * kc);
+          else
+            std::memset(rows + i * kc, 0, kc * 4);
+      });
     };
-    auto regrouped_k = [&]<class T>() {
-      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_k_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    auto regrouped = [&]<int64_t T>() {
+      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+    };
+    auto regrouped_k = [&]<class T>() {  // each record's 16 blocks put back together at once, as gguf_dequantize does
+      const int64_t tiles = w.size(0);
+      panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+        const int64_t kc = (b1 - b0) * QK;
+        alignas(64) uint8_t blocks[REGROUPED_TILE][256];
+        for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
+          const int64_t t = (n0 + i) / REGROUPED_TILE;
+          if (t >= tiles) {
+            std::memset(rows + i * kc, 0, REGROUPED_TILE * kc * 4);
+            continue;
+          }
+          for (int64_t b = b0; b < b1; b++) {
+            blocks_of_record<T>(wp + (t * KB + b) * R, blocks);
+            for (int64_t r = 0; r < REGROUPED_TILE; r++) dequant_block<T>(blocks[r], rows + (i + r) * kc + (b - b0) * QK);
+          }
+        }
+      });
     };
     auto whole = [&]<class T>() {
-      rows_f32([&](int64_t n, int64_t b0, int64_t b1, float* o) { whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) { whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
     };
     with_gguf_type(type, regrouped, regrouped_k, whole);
     return y;
