@@ -176,15 +176,15 @@ __attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t 
 constexpr int64_t GROUP_ROWS = 16;    // rows of x that share each pass over a tile's chunk
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 columns a chunk (at least): TILE x 512 weights, 8 KiB
 
-// y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K) and the TILE rows of one tile of w (K32 blocks of
-// 32 columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The rows of x take the tile GROUP_ROWS at a time,
-// in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to 1024): each chunk is read in one pass per four
-// rows of x and half tile from the L1, which holds the chunk, its rows of x and the partial sums; and while they
-// compute, the weights one chunk on are prefetched (tiled: the next chunk, or the next tile's first; rows of w as
-// they are: the next tile), spread evenly over the passes, so that the memory streams the weights during the
-// arithmetic rather than between it (16 rows, one thread: 1.5x the time of one row on the 135M model's layers,
-// against 2.1x reading the tile once per four rows). One chunk on, not one tile: the next tile's 32 KiB, arriving
-// long before their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.05-1.45x, 16 rows 1.0-1.05x).
+// y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K) and the TILE rows of one tile of w (K32 blocks of 32
+// columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The rows of x take the tile
+// GROUP_ROWS at a time, in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to 1024): each chunk is read in
+// one pass per four rows of x and half tile from the L1, which holds the chunk, its rows of x and the partial sums; and
+// while they compute, the weights one chunk on are prefetched (tiled: the next chunk, or the next tile's first; rows of
+// w as they are: the next tile), spread evenly over the passes, so that the memory streams the weights during the
+// arithmetic rather than between it (16 rows, one thread: 1.5x the time of one row on the 135M model's layers, against
+// 2.1x reading the tile once per four rows). One chunk on, not one tile: the next tile's 32 KiB, arriving long before
+// their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.05-1.45x, 16 rows 1.0-1.05x).
 void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tile, int64_t K32, Strides at,
                     const c10::BFloat16* bias, int64_t n, int64_t rows, c10::BFloat16* y, int64_t N) {
   float sums[GROUP_ROWS][TILE];

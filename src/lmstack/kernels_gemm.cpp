@@ -1,6 +1,7 @@
 // Many rows of bfloat16 (or float32) x times weights as lmstack stores them (a prefill): y = x @ w.T + bias, one
-// GEMM that reads the stored weights once, with no dense copy of the matrix. Handing F.linear a plain matrix costs a copy of every
-// weight first (untiling the bfloat16 tiles, dequantizing GGUF blocks), a third of the GEMM's time at 512 rows.
+// GEMM that reads the stored weights once, with no dense copy of the matrix. Handing F.linear a plain matrix costs a
+// copy of every weight first (untiling the bfloat16 tiles, dequantizing GGUF blocks), a third of the GEMM's time at
+// 512 rows.
 //
 // Each thread takes panels of GEMM_PANEL output columns. A panel's weights come a block of columns at a time from
 // the caller (WeightPairs: transposed from the tiles, or dequantized from blocks, into a buffer that stays in cache),

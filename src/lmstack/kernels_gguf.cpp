@@ -472,7 +472,8 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales pe
       const __m512i v = _mm512_loadu_si512(b + 64 * h);  // brought to bits 4, 5
       const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
       q[2 * h] = nibble_with(v, _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[0]), 0));
-      q[2 * h + 1] = nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[1]), 0));
+      q[2 * h + 1] =
+          nibble_with(_mm512_srli_epi16(v, 4), _mm512_gf2p8affine_epi64_epi8(high, lanes(HIGH_BITS.at[1]), 0));
     }
   }
   static __m256i scales(const uint8_t* b) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); }
@@ -578,7 +579,8 @@ inline void dequant_block_bf16(const uint8_t* b, uint16_t* out) {
       for (int h = 0; h < 2; h++) {
         const int i = g + 16 * h, j = i / T::SUB;
         const __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + i)));
-        w[h] = _mm512_mul_ps(_mm512_set1_ps(scale[j]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET))));
+        w[h] = _mm512_mul_ps(_mm512_set1_ps(scale[j]),
+                             _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(T::OFFSET))));
         if constexpr (T::MINS) w[h] = _mm512_sub_ps(w[h], _mm512_set1_ps(min[j]));
       }
       _mm512_storeu_si512(out + g, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
@@ -952,6 +954,19 @@ void blocks_of_record(const uint8_t* rec, uint8_t (*blocks)[256]) {
   }
 }
 
+// The first `rows` rows of a regrouped K-quant record dequantized as a kept block is (to float32, or rounded to
+// bfloat16): row r's weights at element at + r * stride of out, the record's 16 blocks put back together at once
+template <class T>
+void dequant_record(const uint8_t* rec, int64_t rows, void* out, bool bf16, int64_t at, int64_t stride) {
+  alignas(64) uint8_t blocks[REGROUPED_TILE][256];
+  blocks_of_record<T>(rec, blocks);
+  for (int64_t r = 0; r < rows; r++)
+    if (bf16)
+      dequant_block_bf16<T>(blocks[r], static_cast<uint16_t*>(out) + at + r * stride);
+    else
+      dequant_block<T>(blocks[r], static_cast<float*>(out) + at + r * stride);
+}
+
 // Row n's blocks b0..b1-1 of a regrouped K-quant matrix, dequantized as whole_row dequantizes a kept block
 template <class T>
 void regrouped_k_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out,
@@ -1271,17 +1286,10 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
     }
     // every row: each record's 16 blocks put back together at once, then dequantized as a kept block
     at::parallel_for(0, w.size(0), std::max<int64_t>(1, grain / REGROUPED_TILE), [&](int64_t t0, int64_t t1) {
-      alignas(64) uint8_t blocks[REGROUPED_TILE][256];
       for (int64_t t = t0; t < t1; t++)
-        for (int64_t b = 0; b < KB; b++) {
-          blocks_of_record<T>(wp + (t * KB + b) * R, blocks);
-          for (int64_t n = t * REGROUPED_TILE; n < std::min(N, (t + 1) * REGROUPED_TILE); n++) {
-            if (bf16)
-              dequant_block_bf16<T>(blocks[n % REGROUPED_TILE], static_cast<uint16_t*>(op) + n * K + b * QK);
-            else
-              dequant_block<T>(blocks[n % REGROUPED_TILE], static_cast<float*>(op) + n * K + b * QK);
-          }
-        }
+        for (int64_t b = 0; b < KB; b++)
+          dequant_record<T>(wp + (t * KB + b) * R, std::min(N - t * REGROUPED_TILE, REGROUPED_TILE), op, bf16,
+                            t * REGROUPED_TILE * K + b * QK, K);
     });
   };
   auto whole = [&]<class T>() {
@@ -1337,28 +1345,29 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
       });
     };
     auto regrouped = [&]<int64_t T>() {
-      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) { regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
+        regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
+      });
     };
-    auto regrouped_k = [&]<class T>() {  // each record's 16 blocks put back together at once, as gguf_dequantize does
+    auto regrouped_k = [&]<class T>() {  // a record's 16 rows at once (dequant_record)
       const int64_t tiles = w.size(0);
       panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
         const int64_t kc = (b1 - b0) * QK;
-        alignas(64) uint8_t blocks[REGROUPED_TILE][256];
         for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
           const int64_t t = (n0 + i) / REGROUPED_TILE;
           if (t >= tiles) {
             std::memset(rows + i * kc, 0, REGROUPED_TILE * kc * 4);
             continue;
           }
-          for (int64_t b = b0; b < b1; b++) {
-            blocks_of_record<T>(wp + (t * KB + b) * R, blocks);
-            for (int64_t r = 0; r < REGROUPED_TILE; r++) dequant_block<T>(blocks[r], rows + (i + r) * kc + (b - b0) * QK);
-          }
+          for (int64_t b = b0; b < b1; b++)
+            dequant_record<T>(wp + (t * KB + b) * R, REGROUPED_TILE, rows, false, i * kc + (b - b0) * QK, kc);
         }
       });
     };
     auto whole = [&]<class T>() {
-      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) { whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0); });
+      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
+        whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
+      });
     };
     with_gguf_type(type, regrouped, regrouped_k, whole);
     return y;
