@@ -5,7 +5,6 @@ only when it is a terminal.
 """
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -39,9 +38,6 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if argv is None:  # the command itself, not a caller in its own process
         _drop_native_panic_messages()
-        # The imports' objects (torch's hundreds of thousands) live as long as the process: the collector's full
-        # passes need not walk them, nor its last one at exit (a quarter of a second of a 1.7B model's start)
-        gc.freeze()
     try:
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise OSError("stdout is closed: nowhere to write the answer")
