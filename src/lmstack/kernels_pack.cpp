@@ -158,6 +158,20 @@ void pack_gguf_into(const at::Tensor& raw, at::Tensor& out, int64_t row, int64_t
   });
 }
 
+// size bytes of file descriptor fd at offset into p, retried where a read is interrupted or short: the bytes read
+// (fewer only where the file ends first), or -errno
+int64_t pread_all(int fd, uint8_t* p, int64_t size, int64_t offset) {
+  int64_t done = 0;
+  while (done < size) {
+    const ssize_t got = pread(fd, p + done, size_t(size - done), off_t(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return -int64_t(errno);
+    if (got == 0) break;
+    done += got;
+  }
+  return done;
+}
+
 // Rows row..row + rows - 1 of an n-row GGUF tensor read from the file and packed into their records of out, as
 // pack_gguf_into packs them: output row row + i is the file's row source[i] (its bytes at offset + source[i] *
 // row_bytes; source empty: row i), every float16 at the bytes `float16_at` of each block checked. Each thread
@@ -198,13 +212,8 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
         int64_t lo = INT64_MAX, hi = 0;  // the file's rows that rows r0..r1 - 1 come from
         for (int64_t r = r0; r < r1; r++) lo = std::min(lo, file_row(r)), hi = std::max(hi, file_row(r) + 1);
         buffer.resize(std::max<int64_t>(0, hi - lo) * row_bytes);
-        for (int64_t done = 0, size = int64_t(buffer.size()); done < size;) {
-          const ssize_t got = pread(int(fd), buffer.data() + done, size_t(size - done),
-                                    off_t(offset + lo * row_bytes + done));
-          if (got < 0 && errno == EINTR) continue;
-          if (got <= 0) return void(error = got < 0 ? errno : -1);
-          done += got;
-        }
+        const int64_t got = pread_all(int(fd), buffer.data(), int64_t(buffer.size()), offset + lo * row_bytes);
+        if (got != int64_t(buffer.size())) return void(error = got < 0 ? -got : -1);
         auto src = [&](int64_t r) { return r < row + rows ? buffer.data() + (file_row(r) - lo) * row_bytes : nullptr; };
         for (int64_t r = r0; r < r1; r++)
           for (int64_t b = 0; b < KB; b++)
@@ -253,17 +262,12 @@ int64_t pread_parallel(int64_t fd, int64_t offset, at::Tensor& out) {
   std::atomic<int> error{0};
   at::parallel_for(0, (n + PART - 1) / PART, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; part++) {
-      for (int64_t at = part * PART, stop = std::min(n, at + PART); at < stop;) {
-        const ssize_t got = pread(int(fd), p + at, size_t(stop - at), off_t(offset + at));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return void(error = errno);
-        if (got == 0) {  // the end of the file: what lies before `at` was read
-          for (int64_t seen = read_to; at < seen && !read_to.compare_exchange_weak(seen, at);) {
-          }
-          break;
+      const int64_t at = part * PART, size = std::min(n, at + PART) - at;
+      const int64_t got = pread_all(int(fd), p + at, size, offset + at);
+      if (got < 0) return void(error = int(-got));
+      if (got < size)  // the end of the file: what lies before at + got was read
+        for (int64_t seen = read_to; at + got < seen && !read_to.compare_exchange_weak(seen, at + got);) {
         }
-        at += got;
-      }
     }
   });
   return error ? -int64_t(error) : int64_t(read_to);
