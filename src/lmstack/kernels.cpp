@@ -175,16 +175,19 @@ __attribute__((always_inline)) inline void pass_bf16(const uint16_t* x, int64_t 
 
 constexpr int64_t GROUP_ROWS = 16;    // rows of x that share each pass over a tile's chunk
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 columns a chunk (at least): TILE x 512 weights, 8 KiB
+constexpr int64_t MANY_ROWS_AHEAD = 16 << 10;  // tiled weights prefetched this far ahead (whole chunks)
 
 // y[:, n..n+rows) = x @ w.T + bias for many bf16 rows of x (M x K) and the TILE rows of one tile of w (K32 blocks of 32
 // columns, all TILE rows readable: fewer than TILE outputs only from a zero-padded tile). The rows of x take the tile
 // GROUP_ROWS at a time, in chunks of about CHUNK_BLOCKS blocks (one chunk of a K of up to 1024): each chunk is read in
 // one pass per four rows of x and half tile from the L1, which holds the chunk, its rows of x and the partial sums; and
-// while they compute, the weights one chunk on are prefetched (tiled: the next chunk, or the next tile's first; rows of
-// w as they are: the next tile), spread evenly over the passes, so that the memory streams the weights during the
-// arithmetic rather than between it (16 rows, one thread: 1.5x the time of one row on the 135M model's layers, against
-// 2.1x reading the tile once per four rows). One chunk on, not one tile: the next tile's 32 KiB, arriving long before
-// their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.05-1.45x, 16 rows 1.0-1.05x).
+// while they compute, the weights MANY_ROWS_AHEAD on are prefetched (tiled: the chunk that many bytes on, in this tile
+// or the next; rows of w as they are: the next tile), spread evenly over the passes, so that the memory streams the
+// weights during the arithmetic rather than between it (16 rows, one thread: 1.5x the time of one row on the 135M
+// model's layers, against 2.1x reading the tile once per four rows). Chunks, not tiles: the next tile's 32 KiB,
+// arriving long before their use, pushed the chunk in use out of the L1 (4-8 rows at 1.7B: 1.05-1.45x, 16 rows
+// 1.0-1.05x). Two 8 KiB chunks on rather than one: 16 rows at 1.7B 1.05-1.09x (two threads, AMD EPYC), while the
+// 135M model's 9 KiB chunks (576 columns) keep one (two cost 2-4%).
 void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* tile, int64_t K32, Strides at,
                     const c10::BFloat16* bias, int64_t n, int64_t rows, c10::BFloat16* y, int64_t N) {
   float sums[GROUP_ROWS][TILE];
@@ -192,7 +195,8 @@ void many_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* til
   const int64_t chunks = std::max<int64_t>(1, K32 / CHUNK_BLOCKS), chunk = (K32 + chunks - 1) / chunks;
   const int64_t passes = (M + 3) / 4 * 2;  // over each block of the tile
   const bool in_order = at.block == TILE * 32;  // tiled: the weights in the order the passes read them
-  Prefetch pf(tile + (in_order ? chunk * at.block : at.tile), at.tile * 2, (TILE + passes - 1) / passes * 64);
+  const int64_t ahead = std::max<int64_t>(1, MANY_ROWS_AHEAD / (chunk * at.block * 2));
+  Prefetch pf(tile + (in_order ? ahead * chunk * at.block : at.tile), at.tile * 2, (TILE + passes - 1) / passes * 64);
   for (int64_t g = 0; g < M; g += GROUP_ROWS) {
     const int64_t group = std::min(GROUP_ROWS, M - g);
     for (int64_t k0 = 0; k0 < K32; k0 += chunk) {
