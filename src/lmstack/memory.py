@@ -99,7 +99,8 @@ def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         nbytes *= n
     if nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    anonymous = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: tmpfs, slower faults
+    return torch.frombuffer(anonymous, dtype=dtype).view(shape)
 
 
 class Prefault:
