@@ -269,6 +269,17 @@ def test_silu_mul_rounds_as_the_reference(shape, dtype):
 
 
 @needs_kernels
+def test_silu_mul_follows_the_reference_past_exps_range():
+    """Gates far below zero: e^-g past float32's range is inf in PyTorch, so silu is -0.0, not a tiny value; just
+    inside it, the tiny value the reference gives."""
+    gate = torch.tensor([-88.5, -88.75, -89.0, -92.0, -100.0, -120.0, -1000.0, -88.0] * 2, dtype=torch.bfloat16)
+    up = torch.full_like(gate, 2.0)
+    out, reference = kernels.silu_mul(torch.cat([gate, up])[None])[0], F.silu(gate) * up
+    assert torch.equal(out[1:7], reference[1:7]) and str(out[1:7].tolist()) == str(reference[1:7].tolist())
+    assert torch.allclose(out[[0, 7]].float(), reference[[0, 7]].float(), rtol=2**-7, atol=0)
+
+
+@needs_kernels
 def test_bad_operands_are_refused_by_name():
     with pytest.raises(RuntimeError, match="x has 5 columns, w has 6"):
         kernels.matvec_bf16(randn(1, 5), randn(3, 6), None)
