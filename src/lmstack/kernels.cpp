@@ -991,11 +991,8 @@ void attend(const E* q, E* y, int64_t P, int64_t group, int64_t D, const Span& s
           if constexpr (std::is_same_v<E, float>)
             for (int64_t j = 0; j < group * D; j++) query[j] = q[p * group * D + j] * scale;
         }
-        RowsAhead<E> ahead{next_k, next_v, 0, D};
-        if (i + 1 < end) {
-          std::tie(next_p, next_len) = chunk(i + 1, next_k, next_v);
-          ahead.n = next_len;
-        }
+        if (i + 1 < end) std::tie(next_p, next_len) = chunk(i + 1, next_k, next_v);
+        RowsAhead<E> ahead{next_k, next_v, i + 1 < end ? next_len : 0, D};
         float* part = parts.data() + i * group * stride;
         for (int64_t g = 0; g < group; g += HEADS) {
           const E* qe = q + (p * group + g) * D;
@@ -1131,13 +1128,9 @@ at::Tensor silu_mul(const at::Tensor& x_) {
             }
             for (int64_t f = 0; f < F; f += 16) {
               const __mmask16 m = first(F - f);
-              const __m512 g = load(gate + f, m), minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
-              // exp_ps stops at e^88: past it e^-g is e^88 times the rest, inf past float32's range as PyTorch's
-              // exp gives it (silu -0.0, not a tiny value)
-              __m512 e = exp_ps(minus);
-              const __mmask16 past = _mm512_cmp_ps_mask(minus, _mm512_set1_ps(88.0f), _CMP_GT_OQ) & m;
-              if (past) e = _mm512_mask_mul_ps(e, past, e, exp_ps(_mm512_sub_ps(minus, _mm512_set1_ps(88.0f))));
-              const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+              const __m512 g = load(gate + f, m);
+              const __m512 silu =
+                  _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
               store(yp + i * F + f, m, _mm512_mul_ps(rounded<T>(silu), load(up + f, m)));
             }
           }

@@ -23,9 +23,10 @@ inline void store16(void* out, bool bf16, int64_t at, __m512 v) {
     _mm512_storeu_ps((float*)out + at, v);
 }
 
-// e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp)
+// e^x for float32 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp); past float32's
+// range (x > 88.72) inf, as expf gives it
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts, for exact reduction
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
