@@ -398,9 +398,10 @@ CHAT = [
 GGUF_LAYER_NAMES = {hf: name for name, hf in LAYER_NAMES.items()}
 
 
-def gguf_file(path: Path, drop=(), **metadata):
+def gguf_file(path: Path, drop=(), weights=None, types=None, **metadata):
     """A tiny llama GGUF; `metadata` overrides keys (an int is written as uint32, a str as string, a list as
-    an array), `drop` leaves keys out."""
+    an array), `drop` leaves keys out; `weights` replaces tensors(), `types` writes some of them in another float
+    type than F32 ({name: GGMLQuantizationType})."""
     keys = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": D,
             "llama.feed_forward_length": F, "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1,
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
@@ -424,11 +425,12 @@ def gguf_file(path: Path, drop=(), **metadata):
             writer.add_array(key, value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
-    for name, tensor in tensors().items():
+    for name, tensor in (weights or tensors()).items():
         if name.startswith("model.layers.0."):
             stem = name.removeprefix("model.layers.0.").removesuffix(".weight")
             names[name] = f"blk.0.{GGUF_LAYER_NAMES[stem]}.weight"
-        writer.add_tensor(names[name], tensor.numpy())
+        qtype = (types or {}).get(name, gguf.GGMLQuantizationType.F32)
+        writer.add_tensor(names[name], gguf.quants.quantize(tensor.numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

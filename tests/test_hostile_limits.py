@@ -4,8 +4,10 @@ allocations the machine cannot hold. Blow-ups run in a child process (isolated.p
 
 import json
 import math
+import re
 import struct
 
+import gguf
 import pytest
 import torch
 
@@ -25,13 +27,15 @@ V = CONFIG["vocab_size"]
                                          ("model.layers.0.mlp.up_proj.weight", torch.float16),
                                          ("model.layers.0.self_attn.k_proj.weight", torch.bfloat16)])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
-def test_non_finite_weight_anywhere_is_refused_naming_file_and_tensor(tmp_path, name, dtype, value):
+@pytest.mark.parametrize("weight_format", ["float32", "bfloat16"])
+def test_non_finite_weight_anywhere_is_refused_naming_file_and_tensor(tmp_path, name, dtype, value, weight_format):
+    """Read converted a slice at a time, or straight into place where the file's dtype is the one stored."""
     weights = tensors()
     weights[name] = weights[name].to(dtype)
     weights[name][-1, -1] = value  # the last element: the check must cover every slice
     root = checkpoint_dir(tmp_path, weights=weights)
     with pytest.raises(CheckpointError) as caught:
-        CausalLM.load(root, device="cpu")
+        CausalLM.load(root, device="cpu", weight_format=weight_format)
     assert str(root / "model.safetensors") in str(caught.value) and repr(name) in str(caught.value)
     assert "non-finite" in str(caught.value)
 
@@ -57,6 +61,19 @@ def test_non_finite_gguf_weight_is_refused_naming_file_and_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"m\.gguf: tensor 'model\.layers\.0\.mlp\.down_proj\.weight' holds "
                                               r"non-finite"):
         CausalLM.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F16], ids=str)
+@pytest.mark.parametrize("weight_format", ["float32", "gguf"])
+def test_non_finite_gguf_float_weight_is_refused_naming_file_and_tensor(tmp_path, qtype, weight_format):
+    """A BF16 or F16 matrix is read as it is stored (not through gguf's dequantize): the check still sees it."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights = tensors()
+    weights[name][-1, -1] = math.nan
+    path = tmp_path / "m.gguf"
+    gguf_file(path, weights=weights, types={name: qtype})
+    with pytest.raises(CheckpointError, match=rf"m\.gguf: tensor '{re.escape(name)}' holds non-finite"):
+        CausalLM.load(path, device="cpu", weight_format=weight_format)
 
 
 def test_finite_weights_load_exactly(tmp_path):

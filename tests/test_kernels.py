@@ -393,3 +393,22 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path)
         kernels.remove_stale_lock(lock)
     assert not lock.exists()
     kernels.remove_stale_lock(lock)  # nothing left to remove
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_all_finite_agrees_with_isfinite_wherever_the_bad_value_lies(dtype):
+    """Split over threads and chunks: a bad value in the first, a middle or the last element (of a length no chunk
+    divides) is seen; the largest finite value, subnormals and -0 are not bad."""
+    x = randn(3 * (1 << 16) + 4099, dtype=dtype)
+    info = torch.finfo(dtype)
+    x[:4] = torch.tensor([info.max, -info.max, info.smallest_normal / 4, -0.0])
+    assert kernels.all_finite(x) and bool(torch.isfinite(x).all())
+    for value in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, x.numel() // 2 + 1, x.numel() - 1):
+            bad = x.clone()
+            bad[at] = value
+            assert not kernels.all_finite(bad), (value, at)
+    strided = x.clone()
+    strided[-1] = float("nan")  # an even index (the length is odd): inside the view below, which is not contiguous
+    assert not kernels.all_finite(strided[::2]) and kernels.all_finite(x[::2])

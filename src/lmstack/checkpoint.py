@@ -56,15 +56,11 @@ def pread_into(fd: int, buffer, offset: int, path, what: str):
         done += n
 
 
-def check_finite(tensor: torch.Tensor, path, name: str, chunk: int = 1 << 20):
-    """Refuse inf and nan in a tensor as it is read, naming file and tensor. Checked in slices, so a large
-    tensor costs no second copy of itself; called on what was just written, while it is still in cache."""
-    if not tensor.is_floating_point():
-        return
-    flat = tensor.reshape(-1)
-    for i in range(0, flat.numel(), chunk):
-        if not bool(torch.isfinite(flat[i:i + chunk]).all()):
-            raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (inf or nan) as {tensor.dtype}")
+def check_finite(tensor: torch.Tensor, path, name: str):
+    """Refuse inf and nan in a tensor as it is read, naming file and tensor; called on what was just written,
+    while it is still in cache."""
+    if tensor.is_floating_point() and not kernels.all_finite(tensor):
+        raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (inf or nan) as {tensor.dtype}")
 
 
 class SafetensorsFile:
@@ -110,8 +106,8 @@ class SafetensorsFile:
         return tensor
 
     def read_into(self, name: str, dest: torch.Tensor):
-        """Copy tensor `name` into `dest` (converting its dtype) a slice of about 1 MiB at a time, refusing
-        inf and nan (also from a conversion that overflows) as each slice lands.
+        """Read tensor `name` into `dest`: straight into it where the dtypes agree, else converted a slice of about
+        1 MiB at a time; inf and nan (also from a conversion that overflows) are refused.
 
         No full-size transient: a load never holds a second copy of the largest tensor, and the
         allocator is never handed a huge block to free (which would make it keep later ones).
@@ -125,6 +121,11 @@ class SafetensorsFile:
         target = dest.reshape(shape)  # a view: a scalar as one row
         row_bytes = math.prod(shape[1:]) * size
         if not shape[0] or not row_bytes:
+            return
+        if dest.dtype == dtype and dest.is_contiguous():  # read in place: no slice copied twice
+            pread_into(self._fd(), target.view(-1).view(torch.uint8).numpy(), self._offsets[name], self.path,
+                       f"tensor {name!r}")
+            check_finite(target, self.path, name)
             return
         rows = max(1, READ_SLICE_BYTES // row_bytes)
         buffer = torch.empty(min(rows, shape[0]) * row_bytes, dtype=torch.uint8)

@@ -56,7 +56,9 @@ QUANT_IDS = {t.value: t for t in GGMLQuantizationType}
 # the types whose blocks lmstack's kernels multiply as stored (weight_format "gguf"), and those it keeps as exact
 # float tensors; any other type is refused under weight_format "gguf"
 BLOCK_TYPES = tuple(GGMLQuantizationType(i) for i in GGUF_TYPES)
-FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+FLOAT_DTYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                GGMLQuantizationType.BF16: torch.bfloat16}
+FLOAT_TYPES = tuple(FLOAT_DTYPES)
 
 _REQUIRED = object()
 
@@ -489,6 +491,14 @@ class GGUFFile(GGUFHeader):
         self._dequantize_into(self._tensor(name), weight)
         return self._hf_rows(name, weight)
 
+    def _floats(self, t: Tensor) -> torch.Tensor:
+        """Float tensor t (F32, F16, BF16) in its own dtype, read straight into place: `gguf`'s dequantize widens it
+        through NumPy a chunk at a time, several times slower than the read."""
+        weight = torch.empty(tuple(reversed(t.dims)), dtype=FLOAT_DTYPES[t.type])
+        pread_into(self._fd(), weight.view(-1).view(torch.uint8).numpy(), t.offset, self.path, f"tensor {t.name!r}")
+        self._check_padding(t)
+        return weight
+
     def check_as_stored(self):
         """Refuse, before reading a weight, a tensor weight_format "gguf" cannot keep as stored: its type neither a
         block type lmstack's kernels multiply (BLOCK_TYPES) nor a float type (FLOAT_TYPES). Dequantizing it would
@@ -502,13 +512,17 @@ class GGUFFile(GGUFHeader):
 
     def _dequantize_into(self, t: Tensor, dest: torch.Tensor):
         """Tensor t dequantized by `gguf` into dest (contiguous, its rows in the file's order), a chunk of rows at a
-        time: `gguf`'s temporaries take several times their output, so a whole tensor's would dwarf its bytes."""
+        time: `gguf`'s temporaries take several times their output, so a whole tensor's would dwarf its bytes. A
+        float type's values are copied as they are (what `gguf` gives, several times sooner)."""
         rows = dest.view(-1, t.dims[0]) if t.dims[0] else dest.view(0, 0)
         step = max(1, CHUNK_BYTES // max(1, 4 * t.dims[0]))
         for start in range(0, rows.shape[0], step):
-            raw = self.data(t, slice(start, start + step))
-            values = dequantize(raw.reshape(len(rows[start:start + step]), -1), t.type)
-            rows[start:start + step].copy_(torch.from_numpy(np.asarray(values, dtype=np.float32)))
+            raw = self.data(t, slice(start, start + step)).reshape(len(rows[start:start + step]), -1)
+            if t.type in FLOAT_TYPES:
+                values = torch.from_numpy(raw).view(FLOAT_DTYPES[t.type])
+            else:
+                values = torch.from_numpy(np.asarray(dequantize(raw, t.type), dtype=np.float32))
+            rows[start:start + step].copy_(values)
 
     def stored(self, name: str, rows: slice | None = None):
         """Tensor `name` as the file stores it, rows in Hugging Face's order: (ggml type id, (rows, bytes) uint8) for
@@ -517,9 +531,9 @@ class GGUFFile(GGUFHeader):
         reads only those rows: a large tensor is packed a chunk at a time."""
         t = self._tensor(name)
         if t.type not in BLOCK_TYPES or len(t.dims) != 2:
-            weight = self.read(name)
+            weight = self._hf_rows(name, self._floats(t)) if t.type == GGMLQuantizationType.BF16 else self.read(name)
             check_finite(weight, self.path, name)
-            return weight.bfloat16() if t.type == GGMLQuantizationType.BF16 else weight
+            return weight
         kind = GGUF_TYPES[t.type.value]
         if self._permuted(name):  # q and k: each head's rows permuted among themselves; the heads of `rows` are read
             per_head = max(1, t.dims[1] // self._heads(name, t.dims[1]))

@@ -160,7 +160,7 @@ def tile_int8(q: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 (or bfloat16) -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8
     (matvec_bf16_tiled) reads."""
     n, k = q.shape
-    padded = F.pad(q, (0, -k % 32, 0, -n % TILE))
+    padded = F.pad(q, (0, -k % 32, 0, -n % TILE)) if k % 32 or n % TILE else q  # pad copies even when it adds nothing
     return padded.view(padded.shape[0] // TILE, TILE, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
 
 
@@ -345,6 +345,18 @@ def pread_parallel(fd: int, offset: int, buffer: memoryview) -> int:
     """Fill buffer (writable bytes) from the file at offset on the kernels' threads: the bytes read (fewer where the
     file ends first), or -errno."""
     return torch.ops.lmstack.pread_parallel(fd, offset, torch.frombuffer(buffer, dtype=torch.uint8))
+
+
+def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """Whether a floating-point tensor holds no inf or nan: by kernels_pack.cpp where the kernels run (at the
+    read's rate), else torch.isfinite a slice at a time, so a large tensor costs no bool copy of itself."""
+    if available() and tensor.is_cpu and tensor.is_contiguous() and tensor.dtype in FINITE_CHECKED:
+        return not torch.ops.lmstack.any_nonfinite(tensor)
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
+FINITE_CHECKED = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def first_nonfinite_float16(blocks: np.ndarray, at: int) -> int | None:

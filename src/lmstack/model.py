@@ -516,7 +516,7 @@ class CausalLM:
                 stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
                 continue
-            if not all(bool(torch.isfinite(t.to_dense() if t.is_mkldnn else t).all()) for t in vars(stored).values()
+            if not all(kernels.all_finite(t.to_dense() if t.is_mkldnn else t) for t in vars(stored).values()
                        if isinstance(t, torch.Tensor) and t.is_floating_point()):
                 names = [name for key, name, _ in self.plan.layer_weights(i) if key.startswith(path + ".")]
                 raise CheckpointError(f"{', '.join(names)}: values overflow to inf when stored as {self.weight_format} "
