@@ -45,6 +45,21 @@ def test_formats_stay_close_to_float32(llama, weight_format, profile, module, to
     assert lm.generate(IDS, 4).shape == (2, IDS.shape[1] + 4)
 
 
+def test_bfloat16_storage_holds_the_checkpoints_values_rounded_once(llama):
+    """Under float32 arithmetic a float32 checkpoint's projections are read straight into bfloat16 (never filled in
+    float32 first): every part of a fused projection holds its values as .to(bfloat16) rounds them, and the rest
+    (embedding, head, norms, biases) stays exact."""
+    path, reference = llama
+    stored = CausalLM.load(path, weight_format="bfloat16", device="cpu").parameters()
+    projections = 0
+    for name, weight in reference.parameters().items():
+        projection = name.startswith("model.layers.") and name.endswith("proj.weight")
+        projections += projection
+        expected = weight.bfloat16().float() if projection else weight
+        assert torch.equal(stored[name].float(), expected), name
+    assert projections >= 7
+
+
 @pytest.mark.parametrize("kernels_on", [True, False])
 def test_bfloat16_storage_computes_in_float32_by_default(tiny_checkpoint, monkeypatch, kernels_on):
     """On a bfloat16 checkpoint, weight_format='bfloat16' stores the very values float32 holds: under the default

@@ -56,10 +56,14 @@ def pread_into(fd: int, buffer, offset: int, path, what: str):
         done += n
 
 
-def check_finite(tensor: torch.Tensor, path, name: str):
+def check_finite(tensor: torch.Tensor, path, name: str, source: torch.Tensor | None = None):
     """Refuse inf and nan in a tensor as it is read, naming file and tensor; called on what was just written,
-    while it is still in cache."""
+    while it is still in cache. `source`: the values it was converted from, where a finite one may have overflowed."""
     if tensor.is_floating_point() and not kernels.all_finite(tensor):
+        if source is not None and kernels.all_finite(source):
+            raise CheckpointError(f"{path}: tensor {name!r} holds values that overflow to inf when stored as "
+                                  f"{str(tensor.dtype).removeprefix('torch.')} (which reaches "
+                                  f"±{torch.finfo(tensor.dtype).max:.4g})")
         raise CheckpointError(f"{path}: tensor {name!r} holds non-finite values (inf or nan) as {tensor.dtype}")
 
 
@@ -134,8 +138,9 @@ class SafetensorsFile:
             chunk = buffer[:n * row_bytes]
             pread_into(self._fd(), chunk.numpy(), self._offsets[name] + start * row_bytes, self.path,
                        f"tensor {name!r}")
-            target[start:start + n].copy_(chunk.view(dtype).view(n, *shape[1:]))
-            check_finite(target[start:start + n], self.path, name)
+            values = chunk.view(dtype).view(n, *shape[1:])
+            target[start:start + n].copy_(values)
+            check_finite(target[start:start + n], self.path, name, values)
 
     def _fd(self) -> int:
         if self.closed:

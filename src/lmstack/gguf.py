@@ -25,6 +25,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from . import kernels
 from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
 from .config import MAX_EXPERTS, HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
@@ -619,7 +620,8 @@ class GGUFFile(GGUFHeader):
             dest.copy_(self.read(name))
         else:
             self._dequantize_into(self._tensor(name), dest)
-        check_finite(dest, self.path, name)
+        if not kernels.all_finite(dest):  # read again to tell a value the file holds from one dest's dtype cannot
+            check_finite(dest, self.path, name, None if dest.dtype == torch.float32 else self.read(name))
 
     def _tensor(self, name: str):
         if name not in self._tensors:

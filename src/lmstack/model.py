@@ -21,7 +21,8 @@ from .blocks.mamba2 import Mamba2Block
 from .blocks.transformer import AttentionContext, PagedContext, RMSNorm, TransformerBlock
 from .checkpoint import Checkpoint, CheckpointError, TensorDict
 from .config import ConfigError, HFConfig, ModelPlan, UnsupportedModel, plan_for, read_json, shown
-from .formats import QUANTIZED, GGUFBlocks, GGUFLinear, check_format, convert, head_projection, profile_of, resolve
+from .formats import (QUANTIZED, GGUFBlocks, GGUFLinear, MatvecLinear, check_format, convert, head_projection,
+                      profile_of, resolve)
 from .gguf import BLOCK_TYPES, GGUFFile, is_gguf
 from . import kernels, lookup
 from .rope import Rotary
@@ -450,8 +451,10 @@ class CausalLM:
         targets = list(self._targets())  # names and shapes checked by _check_tensors
         self.unused_names = sorted(set(checkpoint.names()) - set(self.plan.weight_names()))
         targets = [t for t in targets if t[2].type != "meta"]  # meta: another process's share
-        unread = {}  # gguf: layer -> its projection matrices, which _store_projections takes from the file as stored
-        if self.weight_format == "gguf":
+        # layer -> its projection matrices, which _store_projections reads itself: under gguf as the file stores
+        # them, under bfloat16 with float32 arithmetic straight into bfloat16 (never filled in float32 first)
+        unread = {}
+        if self.weight_format == "gguf" or self._bfloat16_widened():
             unread = {i: {key for key, _, _ in self.plan.layer_weights(i) if key.endswith(".weight")
                           and key[:-len(".weight")] in getattr(block, "PROJECTIONS", ())}
                       for i, block in enumerate(self.blocks)}
@@ -499,9 +502,14 @@ class CausalLM:
             self._weights.pop(name, None)
             self.head = None
 
+    def _bfloat16_widened(self) -> bool:
+        """Whether projections are stored in bfloat16 and widened as they multiply (float32 arithmetic)."""
+        return self.weight_format == "bfloat16" and self.dtype == torch.float32
+
     def _store_projections(self, i: int, source):
-        """Re-store layer i's projection matrices in the weight format (formats.convert), or, under gguf, make
-        them from the file's tensors as stored (their dense parameters were left unread)."""
+        """Re-store layer i's projection matrices in the weight format (formats.convert), or, where their dense
+        parameters were left unread, make them from the checkpoint: under gguf from the file's tensors as stored,
+        under bfloat16 with float32 arithmetic read into bfloat16 (what convert would make of them)."""
         block = self.blocks[i]
         for path in getattr(block, "PROJECTIONS", ()):
             owner_path, attribute = path.rsplit(".", 1)
@@ -512,6 +520,13 @@ class CausalLM:
                                if key == f"{path}.weight")
                 stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features),
                                     linear.bias, self.dtype)
+            elif self._bfloat16_widened():
+                weight = torch.empty(linear.out_features, linear.in_features, dtype=torch.bfloat16,
+                                     device=self.layer_devices[i])
+                for key, name, rows in self.plan.layer_weights(i):
+                    if key == f"{path}.weight":
+                        source.read_into(name, weight if rows is None else weight[rows])
+                stored = MatvecLinear(weight, linear.bias, self.dtype)
             else:
                 stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
