@@ -15,7 +15,7 @@ from test_gguf import write_gguf
 from lmstack import CausalLM, UnsupportedModel, kernels, models
 from lmstack import model as model_module
 from lmstack.checkpoint import CheckpointError
-from lmstack.formats import GGUFBlocks
+from lmstack.formats import GGUFBlocks, MatvecLinear
 from lmstack.gguf import GGUFFile
 
 BLOCK_TYPES = [Q(i) for i in kernels.GGUF_TYPES]
@@ -312,6 +312,26 @@ def test_logits_match_a_float32_model_of_the_dequantized_weights(tiny_checkpoint
     state = fast.allocate_state(2, 9)
     steps = torch.cat([fast.step(ids[:, i], state)[:, None] for i in range(9)], 1)
     assert (steps - expected).abs().max() <= 0.05 * scale
+
+
+@needs_kernels
+def test_bf16_matrices_are_read_straight_into_tiles_under_bf16_arithmetic(tiny_checkpoint, tmp_path):
+    """Under the bf16 profile a BF16 file's q, k and v (rows permuted by llama.cpp's converter) are read into one
+    tiled matrix, as tile_int8 tiles the file's values in Hugging Face's order (the kernel then computes what it
+    computed on tile_int8's tiles); a BF16 matrix beside blocks of another type stays a part of its own."""
+    bf16 = {f"model.layers.{i}.{name}.weight": Q.BF16 for i in range(2)
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")}
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa", qtype=Q.Q8_0, tensor_types=bf16)
+    exact = CausalLM.load(path, weight_format="gguf", device="cpu").parameters()
+    lm = CausalLM.load(path, weight_format="gguf", numeric_profile="bf16", device="cpu")
+    qkv = lm.blocks[0].attn.qkv.parts
+    assert len(qkv) == 1 and isinstance(qkv[0], MatvecLinear) and qkv[0].tiled
+    fused = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]).bfloat16()
+    assert torch.equal(qkv[0].weight, kernels.tile_int8(fused))
+    assert [type(p) for p in lm.blocks[0].mlp.gate_up.parts] == [GGUFBlocks, MatvecLinear]
+    for name, weight in exact.items():
+        if name in bf16:
+            assert torch.equal(lm.parameters()[name].float(), weight), name
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], **by_name)

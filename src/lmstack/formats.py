@@ -279,6 +279,15 @@ class MatvecLinear(nn.Module):
         self.tiled = tile and self.kernel and weight.dtype == compute == torch.bfloat16
         self.weight = kernels.tile_int8(weight.detach()) if self.tiled else weight.detach()
 
+    @classmethod
+    def from_tiles(cls, tiles: torch.Tensor, n: int, k: int) -> "MatvecLinear":
+        """An (n, k) bfloat16 matrix computing in bfloat16, already in kernels.tile_int8's tiles (read into them
+        from a file, model.py)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.shape, linear.bias, linear.kernel, linear.tiled, linear.weight = (n, k), None, True, True, tiles
+        return linear
+
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
@@ -393,7 +402,7 @@ class GGUFLinear(nn.Module):
     def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
         self.parts = nn.ModuleList(  # tiled where bfloat16 multiplies bfloat16, but not a tied head (the embedding)
-            p if isinstance(p, GGUFBlocks) else MatvecLinear(p, None, p.dtype, tile and p.dtype == compute)
+            p if isinstance(p, (GGUFBlocks, MatvecLinear)) else MatvecLinear(p, None, p.dtype, tile and p.dtype == compute)
             for p in parts)
         self.bias = None if bias is None else bias.detach().to(compute)
 

@@ -554,9 +554,10 @@ class GGUFFile(GGUFHeader):
     def pack_into(self, name: str, out: torch.Tensor, row: int, n: int):
         """Tensor `name`, a matrix of a type the kernels multiply as stored, read and packed into its rows row.. of
         out, the records of an n-row projection (kernels.pack_gguf's layout; rows in Hugging Face's order, every
-        float16 scale checked), by the kernels' threads a few rows at a time (kernels.read_pack_gguf)."""
+        float16 scale checked), by the kernels' threads a few rows at a time (kernels.read_pack_gguf); a BF16 one
+        into the tiles of kernels.tile_int8, every value checked."""
         t = self._tensor(name)
-        kind, rows, row_bytes = GGUF_TYPES[t.type.value], t.dims[1], t.nbytes // max(1, t.dims[1])
+        kind, rows, row_bytes = kernels.block_kind(t.type.value), t.dims[1], t.nbytes // max(1, t.dims[1])
         source, group = None, kind.tile
         if self._permuted(name):  # each unit of rows the threads take holds whole heads: one read each
             heads = self._heads(name, rows)
@@ -569,6 +570,9 @@ class GGUFFile(GGUFHeader):
                                       f"it was opened")
             raise OSError(error, f"{self.path}: tensor {name!r} cannot be read: {os.strerror(error)}")
         if bad >= 0:
+            if not kind.float16_at:
+                raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as "
+                                      f"{t.type.name}")
             raise self._nonfinite_scale(name, bad)
         self._check_padding(t)
 

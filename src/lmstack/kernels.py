@@ -262,6 +262,8 @@ GGUF_TYPES = {  # ggml type id -> its BlockType
     14: BlockType("Q6_K", 256, 210, (208,), regrouped=True),
 }
 Q8_0 = 8
+BF16 = 30  # ggml's type id: not a block type, but its rows read as 64-byte blocks kept whole are tile_int8's tiles
+BF16_TILES = BlockType("BF16", 32, 64, ())
 FIFTH_BITS = (6, 7)  # Q5_0, Q5_1: 32 fifth bits after the float16 scales
 
 
@@ -296,9 +298,14 @@ def _by_columns_of_four_back(packed: torch.Tensor, q8: bool) -> torch.Tensor:
     return (quants.to(torch.int16) - 128).to(torch.int8).view(torch.uint8) if q8 else quants
 
 
+def block_kind(qtype: int) -> BlockType:
+    """GGUF_TYPES[qtype]; for BF16, its rows as read_pack_gguf reads them into tile_int8's tiles."""
+    return BF16_TILES if qtype == BF16 else GGUF_TYPES[qtype]
+
+
 def packed_shape(qtype: int, n: int, k: int) -> tuple:
-    """The shape of pack_gguf's records for an (n, k) matrix of GGUF type qtype."""
-    kind = GGUF_TYPES[qtype]
+    """The shape of pack_gguf's records for an (n, k) matrix of GGUF type qtype (BF16: tile_int8's, in bytes)."""
+    kind = block_kind(qtype)
     return -(-n // kind.tile), k // kind.values, kind.tile * kind.bytes
 
 
@@ -332,10 +339,11 @@ def pack_gguf(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None, ro
 def read_pack_gguf(fd: int, offset: int, source: torch.Tensor | None, out: torch.Tensor, row: int, rows: int, n: int,
                    qtype: int, unit: int) -> tuple[int, int]:
     """pack_gguf of a tensor's `rows` rows straight from the file (its bytes at `offset`), into rows row.. of
-    out, the records of an n-row tensor: output row row + i is the file's row source[i] (None: i); each thread
-    reads, checks and packs `unit` rows (whole tiles) at a time (kernels_pack.cpp). (The first row * blocks + block
-    whose float16 scale is inf or nan, or -1; 0, an errno, or -1 where the file ended first.)"""
-    kind = GGUF_TYPES[qtype]
+    out, the records of an n-row tensor (BF16: tile_int8's tiles, in bytes): output row row + i is the file's row
+    source[i] (None: i); each thread reads, checks and packs `unit` rows (whole tiles) at a time (kernels_pack.cpp).
+    (The first row * blocks + block whose float16 scale is inf or nan, or -1; 0, an errno, or -1 where the file
+    ended first.)"""
+    kind = block_kind(qtype)
     source = torch.empty(0, dtype=torch.long) if source is None else source
     return torch.ops.lmstack.read_pack_gguf(fd, offset, source, out, row, rows, n, kind.bytes, kind.regrouped,
                                             list(kind.float16_at), qtype in FIFTH_BITS, qtype == Q8_0, unit)

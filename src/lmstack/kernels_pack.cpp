@@ -26,6 +26,24 @@ using lmstack::transpose16;
 
 constexpr int64_t PACK_TASK_BYTES = 256 << 10;  // packed bytes a thread takes at a time
 
+// Whether p[0..n) holds an inf or a nan (exponent bits EXPONENT all set); split over PyTorch's threads where
+// `parallel`
+template <typename Bits, Bits EXPONENT>
+bool any_nonfinite_bits(const Bits* p, int64_t n, bool parallel = true) {
+  std::atomic<bool> found{false};
+  const auto scan = [&](int64_t begin, int64_t end) {
+    constexpr int64_t CHUNK = 1 << 12;
+    for (int64_t at = begin; at < end && !found.load(std::memory_order_relaxed); at += CHUNK) {
+      Bits all_set = 0;
+      for (int64_t i = at, stop = std::min(end, at + CHUNK); i < stop; i++)
+        all_set |= Bits((p[i] & EXPONENT) == EXPONENT);
+      if (all_set) found = true;
+    }
+  };
+  parallel ? at::parallel_for(0, n, 1 << 16, scan) : scan(0, n);
+  return found;
+}
+
 // Row r of a (tile, block) record from one block of the file, src (or a padding row of zeros: src null), for a
 // type kept whole (SCALES 0: the TILE rows' blocks side by side) or regrouped (REGROUPED_TILE rows): its SCALES
 // float16 fields of the rows (at byte `scales_at` of a block), field by field, [FIFTH: the fifth bits, for each
@@ -174,7 +192,8 @@ int64_t pread_all(int fd, uint8_t* p, int64_t size, int64_t offset) {
 
 // Rows row..row + rows - 1 of an n-row GGUF tensor read from the file and packed into their records of out, as
 // pack_gguf_into packs them: output row row + i is the file's row source[i] (its bytes at offset + source[i] *
-// row_bytes; source empty: row i), every float16 at the bytes `float16_at` of each block checked. Each thread
+// row_bytes; source empty: row i), every float16 at the bytes `float16_at` of each block checked (none: bfloat16
+// rows, as 64-byte blocks kept whole, are the tiles matvec_bf16_tiled reads). Each thread
 // takes whole units of `unit` output rows (whole tiles), reads the file's rows they come from with one pread into
 // its own buffer, which stays in its core's cache, checks them there and packs them from there: one pass over the
 // file's bytes, without a call from Python per chunk (reading, checking and packing 2 MiB chunks in turn, from
@@ -184,8 +203,9 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
                                             int64_t row, int64_t rows, int64_t n, int64_t block, bool regrouped,
                                             std::vector<int64_t> float16_at, bool fifth_bits, bool q8_halves,
                                             int64_t unit) {
-  TORCH_CHECK(!float16_at.empty() && float16_at.size() <= 2 && out.dim() == 3 && unit > 0 && offset >= 0,
-              "read_pack_gguf: one or two float16 fields, a unit of rows, an offset");
+  TORCH_CHECK(float16_at.size() <= 2 && (regrouped ? !float16_at.empty() : true) && out.dim() == 3 && unit > 0 &&
+                  offset >= 0,
+              "read_pack_gguf: at most two float16 fields (a regrouped type one at least), a unit of rows, an offset");
   for (int64_t at : float16_at)
     TORCH_CHECK(at >= 0 && at + 2 <= block, "read_pack_gguf: a float16 field outside the block");
   const int64_t KB = out.size(1), row_bytes = KB * block;
@@ -200,7 +220,8 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
   auto file_row = [&](int64_t r) { return from ? from[r - row] : r - row; };
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<int64_t> bad{INT64_MAX}, error{0};
-  with_layout(block, regrouped, int64_t(float16_at.size()), float16_at[0], fifth_bits, q8_halves,
+  const int64_t scales_at = float16_at.empty() ? 0 : float16_at[0];
+  with_layout(block, regrouped, int64_t(float16_at.size()), scales_at, fifth_bits, q8_halves,
               [&]<int S, bool F, bool Q>(int64_t quants) {
     const int64_t T = S ? REGROUPED_TILE : TILE, tiles = out.size(0);
     const int64_t last = row + rows == n ? tiles * T : row + rows;  // with the padding rows
@@ -215,18 +236,24 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
         const int64_t got = pread_all(int(fd), buffer.data(), int64_t(buffer.size()), offset + lo * row_bytes);
         if (got != int64_t(buffer.size())) return void(error = got < 0 ? -got : -1);
         auto src = [&](int64_t r) { return r < row + rows ? buffer.data() + (file_row(r) - lo) * row_bytes : nullptr; };
+        const auto found = [&](int64_t i) {
+          for (int64_t seen = bad; i < seen && !bad.compare_exchange_weak(seen, i);) {
+          }
+        };
         for (int64_t r = r0; r < r1; r++)
-          for (int64_t b = 0; b < KB; b++)
+          for (int64_t b = 0; b < KB; b++) {
             for (int64_t at : float16_at) {
               uint16_t h;
               std::memcpy(&h, src(r) + b * block + at, 2);
-              for (int64_t i = (r - row) * KB + b, seen = bad; (h & 0x7C00) == 0x7C00 && i < seen &&
-                                                               !bad.compare_exchange_weak(seen, i);) {
-              }
+              if ((h & 0x7C00) == 0x7C00) found((r - row) * KB + b);
             }
+            if (float16_at.empty() && any_nonfinite_bits<uint16_t, 0x7F80>(
+                                          reinterpret_cast<const uint16_t*>(src(r) + b * block), block / 2, false))
+              found((r - row) * KB + b);
+          }
         for (int64_t t = u * unit / T; t < std::min(tiles, (u + 1) * unit / T); t++)
-          pack_tile<S, F, Q>(dst, t, std::max(row, t * T), std::min(last, (t + 1) * T), KB, block, float16_at[0],
-                             quants, src);
+          pack_tile<S, F, Q>(dst, t, std::max(row, t * T), std::min(last, (t + 1) * T), KB, block, scales_at, quants,
+                             src);
       }
     });
   });
@@ -253,21 +280,6 @@ int64_t first_nonfinite_float16(const at::Tensor& raw, int64_t block, int64_t at
 // Whether t (contiguous float32, bfloat16 or float16) holds an inf or a nan: an element whose exponent bits are
 // all set. Split over PyTorch's threads; torch.isfinite(t).all() read bfloat16 at a quarter of a GB/s (a scalar
 // loop) and wrote a bool of every element.
-template <typename Bits, Bits EXPONENT>
-bool any_nonfinite_bits(const Bits* p, int64_t n) {
-  std::atomic<bool> found{false};
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
-    constexpr int64_t CHUNK = 1 << 12;
-    for (int64_t at = begin; at < end && !found.load(std::memory_order_relaxed); at += CHUNK) {
-      Bits all_set = 0;
-      for (int64_t i = at, stop = std::min(end, at + CHUNK); i < stop; i++)
-        all_set |= Bits((p[i] & EXPONENT) == EXPONENT);
-      if (all_set) found = true;
-    }
-  });
-  return found;
-}
-
 bool any_nonfinite(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "any_nonfinite: t must be a contiguous CPU tensor");
   switch (t.scalar_type()) {

@@ -65,12 +65,13 @@ def _as_stored(source: GGUFFile, name: str, k: int):
     return _stored_parts(source, [name], k)[0]
 
 
-def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
-    """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one."""
+def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = False) -> list:
+    """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one; with
+    bf16_tiles (bfloat16 arithmetic), BF16 ones read straight into one tiled MatvecLinear."""
     groups = []  # [block type or None, names]
     for name in names:
         info = source.info(name)
-        qtype = _block_type(info)
+        qtype = _block_type(info, bf16_tiles)
         if qtype is not None and groups and groups[-1][0] == qtype:
             groups[-1][1].append(name)
         else:
@@ -79,11 +80,11 @@ def _stored_parts(source: GGUFFile, names: list, k: int) -> list:
             for qtype, group in groups]
 
 
-def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks:
+def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks | MatvecLinear:
     """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, each packed
     into its buffer a few rows at a time (by each of the kernels' threads, GGUFFile.pack_into; without the kernels a
     chunk at a time): beside the packed weights only those rows of the file's bytes are held, never a second copy
-    of a whole tensor."""
+    of a whole tensor. BF16 ones (kernels.BF16) so become one MatvecLinear's tiles."""
     sizes = [source.info(name).shape[0] for name in names]
     n = sum(sizes)
     packed = memory.empty_bytes(kernels.packed_shape(qtype, n, k))
@@ -96,20 +97,29 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
             for start in range(0, size, step):
                 kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
         row += size
+    if qtype == kernels.BF16:
+        return MatvecLinear.from_tiles(packed.view(torch.bfloat16).view(-1, k // 32, kernels.TILE, 32), n, k)
     return GGUFBlocks.from_packed(packed, qtype, n, k)
 
 
-def packed_bytes(source: GGUFFile) -> int:
-    """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type as its tiles of
-    rows (a fused projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
+def packed_bytes(source: GGUFFile, bf16_tiles: bool = False, embed: str | None = None) -> int:
+    """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type (and, with
+    bf16_tiles, each BF16 one but the embedding `embed`, which lookups read untiled) as its tiles of rows (a fused
+    projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
     infos = [source.info(name) for name in source.names()]
     return sum(math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
-               for info in infos if (qtype := _block_type(info)) is not None)
+               for name, info in zip(source.names(), infos)
+               if (qtype := _block_type(info, bf16_tiles and name != embed)) is not None)
 
 
-def _block_type(info) -> int | None:
-    """The ggml type id of a matrix whose blocks lmstack multiplies as stored (BLOCK_TYPES), else None."""
-    return next((t.value for t in BLOCK_TYPES if t.name == info.dtype), None) if len(info.shape) == 2 else None
+def _block_type(info, bf16_tiles: bool = False) -> int | None:
+    """The ggml type id of a matrix whose blocks lmstack multiplies as stored (BLOCK_TYPES), or, with bf16_tiles,
+    of a BF16 matrix kernels.tile_int8 can tile (read into its tiles as blocks are packed); else None."""
+    if len(info.shape) != 2:
+        return None
+    if bf16_tiles and info.dtype == "BF16" and info.shape[1] % kernels.BF16_TILES.values == 0 and kernels.available():
+        return kernels.BF16
+    return next((t.value for t in BLOCK_TYPES if t.name == info.dtype), None)
 
 
 def _gguf_bytes(source, name: str) -> int:
@@ -488,7 +498,8 @@ class CausalLM:
             else:
                 self._weights[plan.embed_name] = embed
         if last.type != "meta":
-            head = embed if plan.tie_embeddings else _as_stored(source, plan.head_name, plan.d_model)
+            head = embed if plan.tie_embeddings else \
+                _stored_parts(source, [plan.head_name], plan.d_model, self.dtype == torch.bfloat16)[0]
             self.head_projection = GGUFLinear([head], None, self.dtype, tile=not plan.tie_embeddings)
             if plan.head_name:
                 self._converted[plan.head_name] = (self.head_projection, None, "weight")
@@ -518,8 +529,8 @@ class CausalLM:
             if self.weight_format == "gguf":
                 parts = sorted((rows.start if rows else 0, name) for key, name, rows in self.plan.layer_weights(i)
                                if key == f"{path}.weight")
-                stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features),
-                                    linear.bias, self.dtype)
+                stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features,
+                                                  self.dtype == torch.bfloat16), linear.bias, self.dtype)
             elif self._bfloat16_widened():
                 weight = torch.empty(linear.out_features, linear.in_features, dtype=torch.bfloat16,
                                      device=self.layer_devices[i])

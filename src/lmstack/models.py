@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import memory
 from .checkpoint import Checkpoint
+from .config import plan_for
 from .gguf import GGUFFile, is_gguf
 from .model import CausalLM, packed_bytes, resolve_device
 from .tokenizer import Tokenizer, TokenizerError
@@ -112,8 +113,10 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
         source = GGUFFile(path)
         on_cpu = resolve_device(options.get("device", "auto")).type == "cpu"
         as_stored = options.get("weight_format") == "gguf" and on_cpu
-        memory.keep_prefaulted(packed_bytes(source) if as_stored else 0)  # the command's (launch.py), if any
         try:
+            bf16_tiles = options.get("numeric_profile") == "bf16"  # BF16 matrices then read into tiles (model.py)
+            kept = packed_bytes(source, bf16_tiles, plan_for(source.config).embed_name) if as_stored else 0
+            memory.keep_prefaulted(kept)  # the command's (launch.py), if any
             tokenizer = Tokenizer.from_gguf(source)
             lm = model_class.load(source, progress=progress, **options)
         finally:
