@@ -126,7 +126,7 @@ class SafetensorsFile:
         row_bytes = math.prod(shape[1:]) * size
         if not shape[0] or not row_bytes:
             return
-        if dest.dtype == dtype and dest.is_contiguous():  # read in place: no slice copied twice
+        if dest.dtype == dtype and dest.is_cpu and dest.is_contiguous():  # read in place: no slice copied twice
             pread_into(self._fd(), target.view(-1).view(torch.uint8).numpy(), self._offsets[name], self.path,
                        f"tensor {name!r}")
             check_finite(target, self.path, name)

@@ -402,8 +402,8 @@ class GGUFLinear(nn.Module):
     def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
         self.parts = nn.ModuleList(  # tiled where bfloat16 multiplies bfloat16, but not a tied head (the embedding)
-            p if isinstance(p, (GGUFBlocks, MatvecLinear)) else MatvecLinear(p, None, p.dtype, tile and p.dtype == compute)
-            for p in parts)
+            p if isinstance(p, (GGUFBlocks, MatvecLinear))
+            else MatvecLinear(p, None, p.dtype, tile and p.dtype == compute) for p in parts)
         self.bias = None if bias is None else bias.detach().to(compute)
 
     @property

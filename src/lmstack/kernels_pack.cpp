@@ -203,7 +203,7 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
                                             int64_t row, int64_t rows, int64_t n, int64_t block, bool regrouped,
                                             std::vector<int64_t> float16_at, bool fifth_bits, bool q8_halves,
                                             int64_t unit) {
-  TORCH_CHECK(float16_at.size() <= 2 && (regrouped ? !float16_at.empty() : true) && out.dim() == 3 && unit > 0 &&
+  TORCH_CHECK(float16_at.size() <= 2 && (!regrouped || !float16_at.empty()) && out.dim() == 3 && unit > 0 &&
                   offset >= 0,
               "read_pack_gguf: at most two float16 fields (a regrouped type one at least), a unit of rows, an offset");
   for (int64_t at : float16_at)
@@ -240,17 +240,17 @@ std::tuple<int64_t, int64_t> read_pack_gguf(int64_t fd, int64_t offset, const at
           for (int64_t seen = bad; i < seen && !bad.compare_exchange_weak(seen, i);) {
           }
         };
-        for (int64_t r = r0; r < r1; r++)
-          for (int64_t b = 0; b < KB; b++) {
+        for (int64_t r = r0; r < r1; r++) {
+          if (float16_at.empty() &&  // bfloat16 rows: every value
+              any_nonfinite_bits<uint16_t, 0x7F80>(reinterpret_cast<const uint16_t*>(src(r)), row_bytes / 2, false))
+            found((r - row) * KB);
+          for (int64_t b = 0; b < KB; b++)
             for (int64_t at : float16_at) {
               uint16_t h;
               std::memcpy(&h, src(r) + b * block + at, 2);
               if ((h & 0x7C00) == 0x7C00) found((r - row) * KB + b);
             }
-            if (float16_at.empty() && any_nonfinite_bits<uint16_t, 0x7F80>(
-                                          reinterpret_cast<const uint16_t*>(src(r) + b * block), block / 2, false))
-              found((r - row) * KB + b);
-          }
+        }
         for (int64_t t = u * unit / T; t < std::min(tiles, (u + 1) * unit / T); t++)
           pack_tile<S, F, Q>(dst, t, std::max(row, t * T), std::min(last, (t + 1) * T), KB, block, scales_at, quants,
                              src);
