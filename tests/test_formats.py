@@ -72,6 +72,7 @@ def test_bfloat16_storage_computes_in_float32_by_default(tiny_checkpoint, monkey
                                          ("bf16 arithmetic", "bfloat16", "bf16")]}
     assert models["bfloat16"].blocks[0].mlp.down.weight.dtype == torch.bfloat16  # stored as bfloat16
     assert models["bfloat16"].blocks[0].mlp.down.kernel == kernels_on
+    assert models["bfloat16"].blocks[0].attn.qkv.tiled == kernels_on  # read from the file into the kernels' tiles
 
     def logits(lm):
         state = lm.allocate_state(2, 20)

@@ -24,12 +24,14 @@ V = CONFIG["vocab_size"]
 
 @pytest.mark.parametrize("name, dtype", [("model.layers.0.self_attn.q_proj.weight", torch.float32),
                                          ("model.layers.0.mlp.down_proj.weight", torch.float32),
+                                         ("model.layers.0.mlp.down_proj.weight", torch.bfloat16),
                                          ("model.layers.0.mlp.up_proj.weight", torch.float16),
                                          ("model.layers.0.self_attn.k_proj.weight", torch.bfloat16)])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 @pytest.mark.parametrize("weight_format", ["float32", "bfloat16"])
 def test_non_finite_weight_anywhere_is_refused_naming_file_and_tensor(tmp_path, name, dtype, value, weight_format):
-    """Read converted a slice at a time, or straight into place where the file's dtype is the one stored."""
+    """Read converted a slice at a time, straight into place where the file's dtype is the one stored, or (a
+    bfloat16 matrix stored as bfloat16) straight into the kernels' tiles."""
     weights = tensors()
     weights[name] = weights[name].to(dtype)
     weights[name][-1, -1] = value  # the last element: the check must cover every slice

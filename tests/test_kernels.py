@@ -412,3 +412,18 @@ def test_all_finite_agrees_with_isfinite_wherever_the_bad_value_lies(dtype):
     strided = x.clone()
     strided[-1] = float("nan")  # an even index (the length is odd): inside the view below, which is not contiguous
     assert not kernels.all_finite(strided[::2]) and kernels.all_finite(x[::2])
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, k", [(64, 2048), (13, 100), (40, 48)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matvec_f32_tiled_sums_as_matvec_f32_does(n, k, m):
+    """bfloat16 weights in tile_int8's tiles, widened to float32: every row of a whole tile summed as matvec_f32
+    sums it untiled (bit for bit); the rows of a last, partial tile within float32 rounding; the bias added."""
+    w, x, bias = randn(n, k), randn(m, k, dtype=torch.float32), randn(n, dtype=torch.float32)
+    tiled = kernels.matvec_f32_tiled(x, kernels.tile_int8(w), n, bias)
+    untiled = kernels.matvec_f32(x, w, bias)
+    whole = n // kernels.TILE * kernels.TILE
+    assert torch.equal(tiled[:, :whole], untiled[:, :whole])
+    torch.testing.assert_close(tiled, untiled, rtol=1e-6, atol=1e-5)
+    assert_rounded_once(tiled, x.double() @ w.double().T + bias.double())

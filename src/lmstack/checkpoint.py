@@ -17,6 +17,7 @@ from . import kernels
 from .config import UnsupportedModel, parse_json, read_json
 
 READ_SLICE_BYTES = 1 << 20
+PACK_UNIT_BYTES = 256 << 10  # a BF16 matrix's bytes a thread reads and tiles at a time (pack_into)
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 DTYPES = {
@@ -141,6 +142,23 @@ class SafetensorsFile:
             values = chunk.view(dtype).view(n, *shape[1:])
             target[start:start + n].copy_(values)
             check_finite(target[start:start + n], self.path, name, values)
+
+    def pack_into(self, name: str, out: torch.Tensor, row: int, n: int):
+        """Tensor `name`, a BF16 matrix, read straight into kernels.tile_int8's tiles (out, in bytes: kernels.
+        packed_shape(kernels.BF16, n, k)) as rows row.. of an n-row projection, every value checked, by the
+        kernels' threads a few rows at a time (kernels.read_pack_gguf reads BF16 rows as blocks kept whole)."""
+        info = self.info(name)
+        rows, row_bytes = info.shape[0], math.prod(info.shape[1:]) * 2
+        unit = kernels.TILE * max(1, PACK_UNIT_BYTES // (kernels.TILE * max(1, row_bytes)))
+        bad, error = kernels.read_pack_gguf(self._fd(), self._offsets[name], None, out, row, rows, n, kernels.BF16,
+                                            unit)
+        if error:
+            if error < 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read: the file was cut short since "
+                                      f"it was opened")
+            raise OSError(error, f"{self.path}: tensor {name!r} cannot be read: {os.strerror(error)}")
+        if bad >= 0:
+            raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as BF16")
 
     def _fd(self) -> int:
         if self.closed:
@@ -298,6 +316,9 @@ class Checkpoint:
 
     def read_into(self, name: str, dest: torch.Tensor):
         self._file(name).read_into(name, dest)
+
+    def pack_into(self, name: str, out: torch.Tensor, row: int, n: int):
+        self._file(name).pack_into(name, out, row, n)
 
     def close(self):
         for file in self._files.values():

@@ -193,18 +193,18 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
         else:  # many rows (a prefill): dequantizing once for a dense matmul beats the few-row kernels
-            y = F.linear(x, self._matrix().to(x.dtype)) * self.scales.to(x.dtype)
+            y = F.linear(x, self._matrix(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def _matrix(self) -> torch.Tensor:
-        return kernels.untile_int8(self.weight, *self.shape) if self.kernel else self.weight
+    def _matrix(self, dtype: torch.dtype) -> torch.Tensor:
+        return kernels.untile_int8(self.weight, *self.shape, dtype) if self.kernel else self.weight.to(dtype)
 
     def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
         """What forward computes a few rows of dtype with (None where it is not one of lmstack's kernels)."""
         return KernelCall("int8", self.weight, self.scales, bias=self.bias) if self.kernel else None
 
     def dense_weight(self) -> torch.Tensor:
-        return self._matrix().float() * self.scales[:, None]
+        return self._matrix(torch.float32) * self.scales[:, None]
 
 
 class Int4Linear(nn.Module):
@@ -265,9 +265,9 @@ class Int4Linear(nn.Module):
 
 class MatvecLinear(nn.Module):
     """A float32 or bfloat16 matrix: lmstack's kernels for a few rows (decode), F.linear for more (prefill). Under
-    float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. Under bfloat16 ones, a
-    bfloat16 matrix is stored tiled (kernels.tile_int8), which the kernel reads faster, unless `tile` is False (a
-    tied head, which shares the embedding's memory); many rows of bfloat16 then take kernels.gemm_bf16_tiled (where
+    float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. A bfloat16 matrix is
+    stored tiled (kernels.tile_int8), which the kernels read faster, unless `tile` is False (a tied head, which
+    shares the embedding's memory); under bfloat16 activations many rows then take kernels.gemm_bf16_tiled (where
     kernels.gemm_for_prefill), which reads the tiles as stored: F.linear needs them untiled, a copy of every weight
     per call."""
 
@@ -276,16 +276,17 @@ class MatvecLinear(nn.Module):
         self.shape = tuple(weight.shape)
         self.bias = None if bias is None else bias.detach().to(compute)
         self.kernel = weight.is_cpu and kernels.available()
-        self.tiled = tile and self.kernel and weight.dtype == compute == torch.bfloat16
+        self.tiled = tile and self.kernel and weight.dtype == torch.bfloat16
         self.weight = kernels.tile_int8(weight.detach()) if self.tiled else weight.detach()
 
     @classmethod
-    def from_tiles(cls, tiles: torch.Tensor, n: int, k: int) -> "MatvecLinear":
-        """An (n, k) bfloat16 matrix computing in bfloat16, already in kernels.tile_int8's tiles (read into them
-        from a file, model.py)."""
+    def from_tiles(cls, tiles: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
+                   compute: torch.dtype = torch.bfloat16) -> "MatvecLinear":
+        """An (n, k) bfloat16 matrix already in kernels.tile_int8's tiles (read into them from a file, model.py)."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
-        linear.shape, linear.bias, linear.kernel, linear.tiled, linear.weight = (n, k), None, True, True, tiles
+        linear.shape, linear.kernel, linear.tiled, linear.weight = (n, k), True, True, tiles
+        linear.bias = None if bias is None else bias.detach().to(compute)
         return linear
 
     row_invariant = _KERNEL_ROW_INVARIANT
@@ -293,21 +294,25 @@ class MatvecLinear(nn.Module):
     def forward(self, x):
         if self.kernel and (x.numel() <= MATVEC_ROWS * self.shape[1] or row_invariant_active()):
             if x.dtype == torch.float32:
+                if self.tiled:
+                    return kernels.matvec_f32_tiled(x, self.weight, self.shape[0], self.bias)
                 return kernels.matvec_f32(x, self.weight, self.bias)
             if self.tiled:
                 return kernels.matvec_bf16_tiled(x, self.weight, self.shape[0], self.bias)
             return kernels.matvec_bf16(x, self.weight, self.bias)
         if self.tiled and x.dtype == torch.bfloat16 and self.shape[1] % 2 == 0 and kernels.gemm_for_prefill():
             return kernels.gemm_bf16_tiled(x, self.weight, self.shape[0], self.bias)
-        return F.linear(x, self.dense_weight().to(x.dtype), self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
-    def dense_weight(self) -> torch.Tensor:
-        return kernels.untile_int8(self.weight, *self.shape) if self.tiled else self.weight
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.tiled:
+            return kernels.untile_int8(self.weight, *self.shape, dtype)
+        return self.weight if dtype is None else self.weight.to(dtype)
 
     def kernel_call(self, dtype: torch.dtype) -> KernelCall | None:
         if not self.kernel or (dtype == torch.bfloat16 and self.weight.dtype != dtype):
             return None
-        kind = "f32" if dtype == torch.float32 else "bf16_tiled" if self.tiled else "bf16"
+        kind = ("f32" if dtype == torch.float32 else "bf16") + ("_tiled" if self.tiled else "")
         return KernelCall(kind, self.weight, n=self.shape[0], bias=self.bias)
 
 
@@ -402,8 +407,7 @@ class GGUFLinear(nn.Module):
     def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
         self.parts = nn.ModuleList(  # tiled where bfloat16 multiplies bfloat16, but not a tied head (the embedding)
-            p if isinstance(p, (GGUFBlocks, MatvecLinear))
-            else MatvecLinear(p, None, p.dtype, tile and p.dtype == compute) for p in parts)
+            p if isinstance(p, (GGUFBlocks, MatvecLinear)) else MatvecLinear(p, None, p.dtype, tile) for p in parts)
         self.bias = None if bias is None else bias.detach().to(compute)
 
     @property

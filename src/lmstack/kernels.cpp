@@ -290,27 +290,32 @@ __attribute__((always_inline)) inline void dot_f64(const double* x, const float*
 }
 
 // dot products of one float32 row x with ROWS bfloat16 rows of w, the weights widened exactly to float32 and
-// summed in float32 (the float64 sum of dot_f64 would make this compute-bound); two accumulators per row
-template <int ROWS>
+// summed in float32 (the float64 sum of dot_f64 would make this compute-bound); two accumulators per row. TILED:
+// w is one tile of tile_int8's (blocks of ROWS x 32, zero-padded), one stream prefetched BF16_AHEAD bytes ahead, as
+// dot_bf16_tile reads it; else rows of stride K, the next ROWS rows prefetched
+template <int ROWS, bool TILED = false>
 __attribute__((always_inline)) inline void dot_bf16_f32(const float* x, const uint16_t* w, int64_t K, float* out) {
+  const auto at = [&](int r, int64_t k) { return TILED ? w + k / 32 * ROWS * 32 + r * 32 + k % 32 : w + r * K + k; };
   __m512 even[ROWS], odd[ROWS];
   for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
   const char* next_tile = (const char*)(w + ROWS * K);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32, next_tile += ROWS * 64) {
-    if constexpr (ROWS > 1)
+    if constexpr (TILED)
+      for (int line = 0; line < ROWS; line++) _mm_prefetch((const char*)at(0, k) + BF16_AHEAD + 64 * line, _MM_HINT_T0);
+    else if constexpr (ROWS > 1)
       for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
     const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
     for (int r = 0; r < ROWS; r++) {
-      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)(w + r * K + k))), x0, even[r]);
-      odd[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)(w + r * K + k + 16))), x1, odd[r]);
+      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k))), x0, even[r]);
+      odd[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k + 16))), x1, odd[r]);
     }
   }
   for (; k < K; k += 16) {
     const __mmask16 m = first(K - k);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
     for (int r = 0; r < ROWS; r++)
-      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, w + r * K + k)), xv, even[r]);
+      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, at(r, k))), xv, even[r]);
   }
   for (int r = 0; r < ROWS; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
   store_sums<ROWS>(even, out);
@@ -336,6 +341,20 @@ void rows_f32(const float* x, const double* xd, int64_t M, const W* w, int64_t N
       else
         for (int64_t r = 0; r < rows; r++) dot.template operator()<1>(r);
       for (int64_t r = 0; r < rows; r++) y[m * N + n + r] = float(bias ? sums[r] + bias[n + r] : sums[r]);
+    }
+  }
+}
+
+// rows_f32 for bfloat16 w tiled by tile_int8 (K32 blocks of 32 columns a tile): every tile whole, its padding
+// rows' sums not stored
+void rows_f32_tiled(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, int64_t K32,
+                    const float* bias, float* y, int64_t n0, int64_t n1) {
+  float sums[TILE];
+  for (int64_t n = n0; n < n1; n += TILE) {
+    const int64_t rows = std::min(TILE, n1 - n);
+    for (int64_t m = 0; m < M; m++) {
+      dot_bf16_f32<TILE, true>(x + m * K, w + n * K32 * 32, K, sums);
+      for (int64_t r = 0; r < rows; r++) y[m * N + n + r] = bias ? sums[r] + bias[n + r] : sums[r];
     }
   }
 }
@@ -563,6 +582,32 @@ at::Tensor matvec_f32(const at::Tensor& x_, const at::Tensor& w, const std::opti
     const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
     split_rows(N, K, [&](int64_t n0, int64_t n1) { rows_f32(xp, nullptr, M, wp, N, K, bp, yp, n0, n1); });
   }
+  return y;
+}
+
+// float32 x (M, K) with bfloat16 w tiled by tile_int8 as (ceil(N / TILE), ceil(K / 32), TILE, 32), widened exactly
+// to float32: what matvec_f32 computes from the same weights untiled, read as one stream
+at::Tensor matvec_f32_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t N,
+                            const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "matvec_f32_tiled: x must be a float32 CPU tensor");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
+                  w.size(3) == 32,
+              "matvec_f32_tiled: w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ",
+              TILE, ", 32), got ", w.sizes());
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+                "matvec_f32_tiled: bias must be a contiguous float32 vector of ", N);
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  const auto* xp = static_cast<const float*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  const float* bp = bias.has_value() ? static_cast<const float*>(bias->data_ptr()) : nullptr;
+  auto* yp = static_cast<float*>(y.data_ptr());
+  const int64_t K32 = w.size(1);
+  split_rows(N, K32 * 32, [&](int64_t n0, int64_t n1) { rows_f32_tiled(xp, M, wp, N, K, K32, bp, yp, n0, n1); });
   return y;
 }
 
@@ -1145,6 +1190,7 @@ TORCH_LIBRARY(lmstack, m) {
   m.def("matvec_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_bf16);
   m.def("matvec_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", matvec_bf16_tiled);
   m.def("matvec_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor", matvec_f32);
+  m.def("matvec_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", matvec_f32_tiled);
   m.def("matvec_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", matvec_int8);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
   m.def(

@@ -156,6 +156,11 @@ def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.lmstack.matvec_f32(x, weight, bias)
 
 
+def matvec_f32_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """matvec_f32 for bfloat16 w = untile_int8(weight, n, K): the tiles read as one stream, the same sums."""
+    return torch.ops.lmstack.matvec_f32_tiled(x, weight, n, bias)
+
+
 def tile_int8(q: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 (or bfloat16) -> (ceil(N / TILE), ceil(K / 32), TILE, 32), zero-padded: the order matvec_int8
     (matvec_bf16_tiled) reads."""
@@ -164,9 +169,11 @@ def tile_int8(q: torch.Tensor) -> torch.Tensor:
     return padded.view(padded.shape[0] // TILE, TILE, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
 
 
-def untile_int8(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The (n, k) matrix tile_int8 stored."""
-    return tiled.transpose(1, 2).reshape(tiled.shape[0] * TILE, -1)[:n, :k]
+def untile_int8(tiled: torch.Tensor, n: int, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The (n, k) matrix tile_int8 stored, in `dtype` (widened in the one copy that untiles it)."""
+    rows = tiled.transpose(1, 2)
+    rows = rows.contiguous() if dtype in (None, tiled.dtype) else rows.to(dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(tiled.shape[0] * TILE, -1)[:n, :k]
 
 
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):

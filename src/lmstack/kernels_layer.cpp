@@ -38,6 +38,8 @@ struct Projection {
         "lmstack::matvec_bf16_tiled");
     static const auto bf16 = find<Tensor(const Tensor&, const Tensor&, const Optional&)>("lmstack::matvec_bf16");
     static const auto f32 = find<Tensor(const Tensor&, const Tensor&, const Optional&)>("lmstack::matvec_f32");
+    static const auto f32_tiled = find<Tensor(const Tensor&, const Tensor&, int64_t, const Optional&)>(
+        "lmstack::matvec_f32_tiled");
     static const auto int8 =
         find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Optional&)>("lmstack::matvec_int8");
     static const auto gguf =
@@ -53,6 +55,8 @@ struct Projection {
       y = bf16.call(x, weight, bias);
     else if (kind == "f32")
       y = f32.call(x, weight, bias);
+    else if (kind == "f32_tiled")
+      y = f32_tiled.call(x, weight, n, bias);
     else if (kind == "linear")  // F.linear: a router whose weights are not of x's dtype
       y = at::linear(x, weight, bias);
     else if (kind == "int8")

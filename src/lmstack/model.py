@@ -67,7 +67,7 @@ def _as_stored(source: GGUFFile, name: str, k: int):
 
 def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = False) -> list:
     """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one; with
-    bf16_tiles (bfloat16 arithmetic), BF16 ones read straight into one tiled MatvecLinear."""
+    bf16_tiles (a projection's, not the embedding's), BF16 ones read straight into one tiled MatvecLinear."""
     groups = []  # [block type or None, names]
     for name in names:
         info = source.info(name)
@@ -102,14 +102,14 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
     return GGUFBlocks.from_packed(packed, qtype, n, k)
 
 
-def packed_bytes(source: GGUFFile, bf16_tiles: bool = False, embed: str | None = None) -> int:
-    """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type (and, with
-    bf16_tiles, each BF16 one but the embedding `embed`, which lookups read untiled) as its tiles of rows (a fused
-    projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
+def packed_bytes(source: GGUFFile, embed: str | None = None) -> int:
+    """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type, and each BF16 one
+    but the embedding `embed` (which lookups read untiled), as its tiles of rows (a fused projection's parts share
+    tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
     infos = [source.info(name) for name in source.names()]
     return sum(math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
                for name, info in zip(source.names(), infos)
-               if (qtype := _block_type(info, bf16_tiles and name != embed)) is not None)
+               if (qtype := _block_type(info, bf16_tiles=name != embed)) is not None)
 
 
 def _block_type(info, bf16_tiles: bool = False) -> int | None:
@@ -462,9 +462,9 @@ class CausalLM:
         self.unused_names = sorted(set(checkpoint.names()) - set(self.plan.weight_names()))
         targets = [t for t in targets if t[2].type != "meta"]  # meta: another process's share
         # layer -> its projection matrices, which _store_projections reads itself: under gguf as the file stores
-        # them, under bfloat16 with float32 arithmetic straight into bfloat16 (never filled in float32 first)
+        # them, under bfloat16 straight into bfloat16 or the kernels' tiles (never filled in float32 first)
         unread = {}
-        if self.weight_format == "gguf" or self._bfloat16_widened():
+        if self.weight_format == "gguf" or self._bfloat16_read():
             unread = {i: {key for key, _, _ in self.plan.layer_weights(i) if key.endswith(".weight")
                           and key[:-len(".weight")] in getattr(block, "PROJECTIONS", ())}
                       for i, block in enumerate(self.blocks)}
@@ -499,7 +499,7 @@ class CausalLM:
                 self._weights[plan.embed_name] = embed
         if last.type != "meta":
             head = embed if plan.tie_embeddings else \
-                _stored_parts(source, [plan.head_name], plan.d_model, self.dtype == torch.bfloat16)[0]
+                _stored_parts(source, [plan.head_name], plan.d_model, bf16_tiles=True)[0]
             self.head_projection = GGUFLinear([head], None, self.dtype, tile=not plan.tie_embeddings)
             if plan.head_name:
                 self._converted[plan.head_name] = (self.head_projection, None, "weight")
@@ -513,14 +513,33 @@ class CausalLM:
             self._weights.pop(name, None)
             self.head = None
 
-    def _bfloat16_widened(self) -> bool:
-        """Whether projections are stored in bfloat16 and widened as they multiply (float32 arithmetic)."""
-        return self.weight_format == "bfloat16" and self.dtype == torch.float32
+    def _bfloat16_read(self) -> bool:
+        """Whether _store_projections reads bfloat16 projections itself (_bfloat16_projection): under float32
+        arithmetic, which widens them as it multiplies, and under bfloat16 where the kernels tile them."""
+        return self.weight_format == "bfloat16" and (self.dtype == torch.float32 or kernels.available())
+
+    def _bfloat16_projection(self, source, i: int, path: str, linear: nn.Module) -> MatvecLinear:
+        """Projection `path` of layer i stored in bfloat16, read from the checkpoint: where every part is a BF16
+        matrix in a file, straight into the kernels' tiles (pack_into); else read into bfloat16 (each value
+        rounded once, as .to(bfloat16) rounds it), which MatvecLinear tiles."""
+        parts = [(name, rows) for key, name, rows in self.plan.layer_weights(i) if key == f"{path}.weight"]
+        n, k, device = linear.out_features, linear.in_features, self.layer_devices[i]
+        if device.type == "cpu" and kernels.available() and k % 32 == 0 and hasattr(source, "pack_into") and \
+                all(source.info(name).dtype == "BF16" for name, _ in parts):
+            tiles = torch.empty(kernels.packed_shape(kernels.BF16, n, k), dtype=torch.uint8)
+            for name, rows in parts:
+                source.pack_into(name, tiles, 0 if rows is None else rows.start or 0, n)
+            return MatvecLinear.from_tiles(tiles.view(torch.bfloat16).view(-1, k // 32, kernels.TILE, 32), n, k,
+                                           linear.bias, self.dtype)
+        weight = torch.empty(n, k, dtype=torch.bfloat16, device=device)
+        for name, rows in parts:
+            source.read_into(name, weight if rows is None else weight[rows])
+        return MatvecLinear(weight, linear.bias, self.dtype)
 
     def _store_projections(self, i: int, source):
         """Re-store layer i's projection matrices in the weight format (formats.convert), or, where their dense
         parameters were left unread, make them from the checkpoint: under gguf from the file's tensors as stored,
-        under bfloat16 with float32 arithmetic read into bfloat16 (what convert would make of them)."""
+        under bfloat16 read into bfloat16 (what convert would make of them)."""
         block = self.blocks[i]
         for path in getattr(block, "PROJECTIONS", ()):
             owner_path, attribute = path.rsplit(".", 1)
@@ -530,14 +549,9 @@ class CausalLM:
                 parts = sorted((rows.start if rows else 0, name) for key, name, rows in self.plan.layer_weights(i)
                                if key == f"{path}.weight")
                 stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features,
-                                                  self.dtype == torch.bfloat16), linear.bias, self.dtype)
-            elif self._bfloat16_widened():
-                weight = torch.empty(linear.out_features, linear.in_features, dtype=torch.bfloat16,
-                                     device=self.layer_devices[i])
-                for key, name, rows in self.plan.layer_weights(i):
-                    if key == f"{path}.weight":
-                        source.read_into(name, weight if rows is None else weight[rows])
-                stored = MatvecLinear(weight, linear.bias, self.dtype)
+                                                  bf16_tiles=True), linear.bias, self.dtype)
+            elif self._bfloat16_read():
+                stored = self._bfloat16_projection(source, i, path, linear)
             else:
                 stored = convert(linear, self.weight_format, self.dtype)
             if stored is linear:
