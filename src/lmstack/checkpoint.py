@@ -57,6 +57,18 @@ def pread_into(fd: int, buffer, offset: int, path, what: str):
         done += n
 
 
+def read_pack(fd: int, path, name: str, offset: int, source, out, row: int, rows: int, n: int, qtype: int,
+              unit: int) -> int:
+    """kernels.read_pack_gguf of tensor `name`, whose bytes lie at `offset` of file `path`, a failed read or a file
+    cut short refused by name: the first block holding a non-finite value or scale, or -1."""
+    bad, error = kernels.read_pack_gguf(fd, offset, source, out, row, rows, n, qtype, unit)
+    if error < 0:
+        raise CheckpointError(f"{path}: tensor {name!r} cannot be read: the file was cut short since it was opened")
+    if error:
+        raise OSError(error, f"{path}: tensor {name!r} cannot be read: {os.strerror(error)}")
+    return bad
+
+
 def check_finite(tensor: torch.Tensor, path, name: str, source: torch.Tensor | None = None):
     """Refuse inf and nan in a tensor as it is read, naming file and tensor; called on what was just written,
     while it is still in cache. `source`: the values it was converted from, where a finite one may have overflowed."""
@@ -148,16 +160,13 @@ class SafetensorsFile:
         packed_shape(kernels.BF16, n, k)) as rows row.. of an n-row projection, every value checked, by the
         kernels' threads a few rows at a time (kernels.read_pack_gguf reads BF16 rows as blocks kept whole)."""
         info = self.info(name)
-        rows, row_bytes = info.shape[0], math.prod(info.shape[1:]) * 2
+        if info.dtype != "BF16" or len(info.shape) != 2 or out.dim() != 3 or out.shape[1] * 32 != info.shape[1]:
+            raise ValueError(f"{self.path}: tensor {name!r} ({info.dtype}, {list(info.shape)}) is not a BF16 matrix "
+                             f"of the tiles' {out.shape[1] * 32 if out.dim() == 3 else '?'} columns")
+        rows, row_bytes = info.shape[0], info.shape[1] * 2
         unit = kernels.TILE * max(1, PACK_UNIT_BYTES // (kernels.TILE * max(1, row_bytes)))
-        bad, error = kernels.read_pack_gguf(self._fd(), self._offsets[name], None, out, row, rows, n, kernels.BF16,
-                                            unit)
-        if error:
-            if error < 0:
-                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read: the file was cut short since "
-                                      f"it was opened")
-            raise OSError(error, f"{self.path}: tensor {name!r} cannot be read: {os.strerror(error)}")
-        if bad >= 0:
+        offset = self._offsets[name]
+        if read_pack(self._fd(), self.path, name, offset, None, out, row, rows, n, kernels.BF16, unit) >= 0:
             raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as BF16")
 
     def _fd(self) -> int:

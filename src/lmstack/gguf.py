@@ -26,10 +26,10 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from . import kernels
-from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into
+from .checkpoint import CheckpointError, TensorInfo, check_finite, pread_into, read_pack
 from .config import MAX_EXPERTS, HFConfig, UnsupportedModel
 from .families import GGUF_ARCHITECTURES
-from .kernels import GGUF_TYPES, first_nonfinite_float16, read_pack_gguf
+from .kernels import GGUF_TYPES, first_nonfinite_float16
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -563,12 +563,7 @@ class GGUFFile(GGUFHeader):
             heads = self._heads(name, rows)
             source, group = torch.from_numpy(unpermuted_order(rows, heads)), math.lcm(kind.tile, rows // heads)
         unit = group * max(1, PACK_UNIT_BYTES // (group * max(1, row_bytes)))
-        bad, error = read_pack_gguf(self._fd(), t.offset, source, out, row, rows, n, t.type.value, unit)
-        if error:
-            if error < 0:
-                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read: the file was cut short since "
-                                      f"it was opened")
-            raise OSError(error, f"{self.path}: tensor {name!r} cannot be read: {os.strerror(error)}")
+        bad = read_pack(self._fd(), self.path, name, t.offset, source, out, row, rows, n, t.type.value, unit)
         if bad >= 0:
             if not kind.float16_at:
                 raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as "
