@@ -13,6 +13,7 @@ import torch
 
 import isolated
 import lmstack.checkpoint
+import lmstack.memory
 from lmstack import CausalLM, CheckpointError, ConfigError, TokenizerError, models
 from lmstack.config import HFConfig, plan_for
 from test_hostile import CONFIG, byte_tokenizer_json, checkpoint_dir, gguf_file, tensors
@@ -232,6 +233,19 @@ def test_allocations_the_machine_cannot_hold_are_refused_by_size(tmp_path):
         assert "GiB" in result["message"] and "available" in result["message"], result
     assert "llama weights as float32 needs 32." in outcomes[0]["message"]
     assert "decode state of 1 x 1000000000" in outcomes[1]["message"]
+
+
+def test_the_memory_check_counts_weights_as_they_are_stored(tmp_path, monkeypatch):
+    """bfloat16 storage under float32 arithmetic keeps 2 bytes a weight (only a layer's float32 copy at a time
+    exists while loading): a machine with room for that, not for float32, loads it and refuses float32 by size."""
+    weights = tensors()
+    blocks = sum(t.numel() for name, t in weights.items() if name.startswith("model.layers."))
+    embed = weights["model.embed_tokens.weight"].numel()
+    root = checkpoint_dir(tmp_path, weights=weights)
+    monkeypatch.setattr(lmstack.memory, "available", lambda device: 2 * 4 * embed + 3 * blocks)
+    assert CausalLM.load(root, device="cpu", weight_format="bfloat16").weight_format == "bfloat16"
+    with pytest.raises(MemoryError, match="llama weights as float32 needs"):
+        CausalLM.load(root, device="cpu")
 
 
 # ---- class 5: each safetensors header parsed once ---------------------------------------------------

@@ -427,7 +427,7 @@ class CausalLM:
 
     def _check_memory(self, source):
         """Refuse, before allocating, weights larger than their devices can hold (counted as stored)."""
-        stored = {"int8": 1, "int4": 0.5}.get(self.weight_format)
+        stored = {"int8": 1, "int4": 0.5, "bfloat16": 2}.get(self.weight_format)  # bytes a weight, as stored
         need = Counter()
         if self.weight_format == "gguf":  # as the file stores them, or float32 where widened
             for i, device in enumerate(self.layer_devices):
