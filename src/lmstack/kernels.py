@@ -362,6 +362,9 @@ def pread_parallel(fd: int, offset: int, buffer: memoryview) -> int:
     return torch.ops.lmstack.pread_parallel(fd, offset, torch.frombuffer(buffer, dtype=torch.uint8))
 
 
+FINITE_CHECKED = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes kernels_pack.cpp's any_nonfinite reads
+
+
 def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
     """Whether a floating-point tensor holds no inf or nan: by kernels_pack.cpp where the kernels run (at the
     read's rate), else torch.isfinite a slice at a time, so a large tensor costs no bool copy of itself."""
@@ -369,9 +372,6 @@ def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
         return not torch.ops.lmstack.any_nonfinite(tensor)
     flat = tensor.reshape(-1)
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
-
-
-FINITE_CHECKED = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def first_nonfinite_float16(blocks: np.ndarray, at: int) -> int | None:
