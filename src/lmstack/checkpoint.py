@@ -17,7 +17,7 @@ from . import kernels
 from .config import UnsupportedModel, parse_json, read_json
 
 READ_SLICE_BYTES = 1 << 20
-PACK_UNIT_BYTES = 256 << 10  # a BF16 matrix's bytes a thread reads and tiles at a time (pack_into)
+PACK_UNIT_BYTES = 256 << 10  # a packed tensor's bytes a thread reads and packs at a time: they stay in its core's L2
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 DTYPES = {
@@ -58,9 +58,12 @@ def pread_into(fd: int, buffer, offset: int, path, what: str):
 
 
 def read_pack(fd: int, path, name: str, offset: int, source, out, row: int, rows: int, n: int, qtype: int,
-              unit: int) -> int:
-    """kernels.read_pack_gguf of tensor `name`, whose bytes lie at `offset` of file `path`, a failed read or a file
-    cut short refused by name: the first block holding a non-finite value or scale, or -1."""
+              group: int) -> int:
+    """kernels.read_pack_gguf of tensor `name`, whose bytes lie at `offset` of file `path`, each thread taking about
+    PACK_UNIT_BYTES of rows at a time, a multiple of `group` rows; a failed read or a file cut short refused by name:
+    the first block holding a non-finite value or scale, or -1."""
+    row_bytes = out.shape[1] * kernels.block_kind(qtype).bytes
+    unit = group * max(1, PACK_UNIT_BYTES // (group * max(1, row_bytes)))
     bad, error = kernels.read_pack_gguf(fd, offset, source, out, row, rows, n, qtype, unit)
     if error < 0:
         raise CheckpointError(f"{path}: tensor {name!r} cannot be read: the file was cut short since it was opened")
@@ -163,10 +166,9 @@ class SafetensorsFile:
         if info.dtype != "BF16" or len(info.shape) != 2 or out.dim() != 3 or out.shape[1] * 32 != info.shape[1]:
             raise ValueError(f"{self.path}: tensor {name!r} ({info.dtype}, {list(info.shape)}) is not a BF16 matrix "
                              f"of the tiles' {out.shape[1] * 32 if out.dim() == 3 else '?'} columns")
-        rows, row_bytes = info.shape[0], info.shape[1] * 2
-        unit = kernels.TILE * max(1, PACK_UNIT_BYTES // (kernels.TILE * max(1, row_bytes)))
         offset = self._offsets[name]
-        if read_pack(self._fd(), self.path, name, offset, None, out, row, rows, n, kernels.BF16, unit) >= 0:
+        if read_pack(self._fd(), self.path, name, offset, None, out, row, info.shape[0], n, kernels.BF16,
+                     kernels.TILE) >= 0:
             raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as BF16")
 
     def _fd(self) -> int:

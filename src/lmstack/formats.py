@@ -280,11 +280,13 @@ class MatvecLinear(nn.Module):
         self.weight = kernels.tile_int8(weight.detach()) if self.tiled else weight.detach()
 
     @classmethod
-    def from_tiles(cls, tiles: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
+    def from_tiles(cls, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
                    compute: torch.dtype = torch.bfloat16) -> "MatvecLinear":
-        """An (n, k) bfloat16 matrix already in kernels.tile_int8's tiles (read into them from a file, model.py)."""
+        """An (n, k) bfloat16 matrix already in kernels.tile_int8's tiles, as the bytes read_pack_gguf packed them
+        (kernels.packed_shape(kernels.BF16, n, k); read from a file, model.py)."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
+        tiles = packed.view(torch.bfloat16).view(-1, k // 32, kernels.TILE, 32)
         linear.shape, linear.kernel, linear.tiled, linear.weight = (n, k), True, True, tiles
         linear.bias = None if bias is None else bias.detach().to(compute)
         return linear
@@ -406,7 +408,7 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, parts: list, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
-        self.parts = nn.ModuleList(  # tiled where bfloat16 multiplies bfloat16, but not a tied head (the embedding)
+        self.parts = nn.ModuleList(  # bfloat16 ones tiled, but not a tied head (the embedding)
             p if isinstance(p, (GGUFBlocks, MatvecLinear)) else MatvecLinear(p, None, p.dtype, tile) for p in parts)
         self.bias = None if bias is None else bias.detach().to(compute)
 

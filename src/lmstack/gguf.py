@@ -39,7 +39,6 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 2  # an array of arrays; deeper is refused
 WINDOW = 1 << 16  # bytes read at a time while walking the header
 CHUNK_BYTES = 16 << 20  # float32 bytes of a tensor dequantized at a time
-PACK_UNIT_BYTES = 256 << 10  # a block tensor's bytes a thread reads and packs at a time: they stay in its core's L2
 
 # value type -> numpy dtype of its little-endian encoding (strings and arrays have none)
 SCALARS = {
@@ -557,13 +556,12 @@ class GGUFFile(GGUFHeader):
         float16 scale checked), by the kernels' threads a few rows at a time (kernels.read_pack_gguf); a BF16 one
         into the tiles of kernels.tile_int8, every value checked."""
         t = self._tensor(name)
-        kind, rows, row_bytes = kernels.block_kind(t.type.value), t.dims[1], t.nbytes // max(1, t.dims[1])
+        kind, rows = kernels.block_kind(t.type.value), t.dims[1]
         source, group = None, kind.tile
         if self._permuted(name):  # each unit of rows the threads take holds whole heads: one read each
             heads = self._heads(name, rows)
             source, group = torch.from_numpy(unpermuted_order(rows, heads)), math.lcm(kind.tile, rows // heads)
-        unit = group * max(1, PACK_UNIT_BYTES // (group * max(1, row_bytes)))
-        bad = read_pack(self._fd(), self.path, name, t.offset, source, out, row, rows, n, t.type.value, unit)
+        bad = read_pack(self._fd(), self.path, name, t.offset, source, out, row, rows, n, t.type.value, group)
         if bad >= 0:
             if not kind.float16_at:
                 raise CheckpointError(f"{self.path}: tensor {name!r} holds non-finite values (inf or nan) as "

@@ -28,6 +28,7 @@ namespace {
 
 using lmstack::exp_ps;
 using lmstack::Prefetch;
+using lmstack::check_tiled_bf16;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 constexpr int64_t BF16_AHEAD = 4096;       // bytes of a bfloat16 tile stream prefetched ahead (dot_bf16_tile)
@@ -298,13 +299,12 @@ __attribute__((always_inline)) inline void dot_bf16_f32(const float* x, const ui
   const auto at = [&](int r, int64_t k) { return TILED ? w + k / 32 * ROWS * 32 + r * 32 + k % 32 : w + r * K + k; };
   __m512 even[ROWS], odd[ROWS];
   for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
-  const char* next_tile = (const char*)(w + ROWS * K);
+  // ROWS lines a step: BF16_AHEAD bytes down the tiles' stream, or the next ROWS rows from their start
+  const char* ahead = TILED ? (const char*)w + BF16_AHEAD : (const char*)(w + ROWS * K);
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32, next_tile += ROWS * 64) {
-    if constexpr (TILED)
-      for (int line = 0; line < ROWS; line++) _mm_prefetch((const char*)at(0, k) + BF16_AHEAD + 64 * line, _MM_HINT_T0);
-    else if constexpr (ROWS > 1)
-      for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
+  for (; k + 32 <= K; k += 32, ahead += ROWS * 64) {
+    if constexpr (TILED || ROWS > 1)
+      for (int line = 0; line < ROWS; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
     const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
     for (int r = 0; r < ROWS; r++) {
       even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k))), x0, even[r]);
@@ -532,11 +532,7 @@ at::Tensor matvec_bf16_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t 
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "matvec_bf16: x must be a bfloat16 CPU tensor");
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
-                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
-                  w.size(3) == 32,
-              "matvec_bf16: w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
-              ", 32), got ", w.sizes());
+  check_tiled_bf16(w, N, K, "matvec_bf16");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
                 "matvec_bf16: bias must be a contiguous bfloat16 vector of ", N);
@@ -593,11 +589,7 @@ at::Tensor matvec_f32_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t N
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "matvec_f32_tiled: x must be a float32 CPU tensor");
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
-                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
-                  w.size(3) == 32,
-              "matvec_f32_tiled: w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ",
-              TILE, ", 32), got ", w.sizes());
+  check_tiled_bf16(w, N, K, "matvec_f32_tiled");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kFloat,
                 "matvec_f32_tiled: bias must be a contiguous float32 vector of ", N);

@@ -94,4 +94,14 @@ at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::
 // GEMM_PANEL bfloat16 rows (row n at rows + n * stride, kc columns read, rounded up to a multiple of 32) as pairs
 void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out);
 
+// w is an (N, K) bfloat16 matrix tiled by kernels.tile_int8: (ceil(N / TILE), ceil(K / 32), TILE, 32), contiguous,
+// on the CPU; `op` names the caller in the error
+inline void check_tiled_bf16(const at::Tensor& w, int64_t N, int64_t K, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
+                  w.size(3) == 32,
+              op, ": w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
+              ", 32), got ", w.sizes());
+}
+
 }  // namespace lmstack

@@ -194,10 +194,8 @@ namespace {
 // y = x @ w.T + bias for many rows of bfloat16 x, w tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32)
 // bfloat16, zero-padded)
 at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
-  const int64_t K = x.size(-1), K32 = (K + 31) / 32, tiles = (N + TILE - 1) / TILE;
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
-                  w.size(0) == tiles && w.size(1) == K32 && w.size(2) == TILE && w.size(3) == 32,
-              "gemm_bf16_tiled: w must be bfloat16 tiled as (", tiles, ", ", K32, ", ", TILE, ", 32), got ", w.sizes());
+  lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_bf16_tiled");
+  const int64_t K32 = w.size(1);
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   static const uint16_t zeros[32] = {};
   return lmstack::gemm_bf16(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {

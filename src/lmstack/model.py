@@ -81,10 +81,19 @@ def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = Fals
 
 
 def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks | MatvecLinear:
-    """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks, each packed
-    into its buffer a few rows at a time (by each of the kernels' threads, GGUFFile.pack_into; without the kernels a
-    chunk at a time): beside the packed weights only those rows of the file's bytes are held, never a second copy
-    of a whole tensor. BF16 ones (kernels.BF16) so become one MatvecLinear's tiles."""
+    """Tensors `names` (consecutive parts of one projection, of one block type) as one GGUFBlocks (_packed), BF16
+    ones (kernels.BF16) as one MatvecLinear's tiles."""
+    packed, n = _packed(source, names, qtype, k)
+    if qtype == kernels.BF16:
+        return MatvecLinear.from_tiles(packed, n, k)
+    return GGUFBlocks.from_packed(packed, qtype, n, k)
+
+
+def _packed(source, names: list, qtype: int, k: int) -> tuple[torch.Tensor, int]:
+    """(records, rows) of tensors `names`, consecutive parts of one projection of one type, each packed into the
+    records a few rows at a time (by each of the kernels' threads, source.pack_into; without the kernels a chunk at
+    a time): beside the packed weights only those rows of the file's bytes are held, never a second copy of a whole
+    tensor."""
     sizes = [source.info(name).shape[0] for name in names]
     n = sum(sizes)
     packed = memory.empty_bytes(kernels.packed_shape(qtype, n, k))
@@ -97,9 +106,7 @@ def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlo
             for start in range(0, size, step):
                 kernels.pack_gguf(source.stored(name, slice(start, start + step))[1], qtype, packed, row + start, n)
         row += size
-    if qtype == kernels.BF16:
-        return MatvecLinear.from_tiles(packed.view(torch.bfloat16).view(-1, k // 32, kernels.TILE, 32), n, k)
-    return GGUFBlocks.from_packed(packed, qtype, n, k)
+    return packed, n
 
 
 def packed_bytes(source: GGUFFile, embed: str | None = None) -> int:
@@ -522,19 +529,21 @@ class CausalLM:
         """Projection `path` of layer i stored in bfloat16, read from the checkpoint: where every part is a BF16
         matrix in a file, straight into the kernels' tiles (pack_into); else read into bfloat16 (each value
         rounded once, as .to(bfloat16) rounds it), which MatvecLinear tiles."""
-        parts = [(name, rows) for key, name, rows in self.plan.layer_weights(i) if key == f"{path}.weight"]
+        parts = self._parts(i, path)
         n, k, device = linear.out_features, linear.in_features, self.layer_devices[i]
         if device.type == "cpu" and kernels.available() and k % 32 == 0 and hasattr(source, "pack_into") and \
                 all(source.info(name).dtype == "BF16" for name, _ in parts):
-            tiles = torch.empty(kernels.packed_shape(kernels.BF16, n, k), dtype=torch.uint8)
-            for name, rows in parts:
-                source.pack_into(name, tiles, 0 if rows is None else rows.start or 0, n)
-            return MatvecLinear.from_tiles(tiles.view(torch.bfloat16).view(-1, k // 32, kernels.TILE, 32), n, k,
-                                           linear.bias, self.dtype)
+            tiles, _ = _packed(source, [name for name, _ in parts], kernels.BF16, k)
+            return MatvecLinear.from_tiles(tiles, n, k, linear.bias, self.dtype)
         weight = torch.empty(n, k, dtype=torch.bfloat16, device=device)
         for name, rows in parts:
             source.read_into(name, weight if rows is None else weight[rows])
         return MatvecLinear(weight, linear.bias, self.dtype)
+
+    def _parts(self, i: int, path: str) -> list[tuple[str, slice | None]]:
+        """(checkpoint name, rows) of the parts of layer i's projection `path` (q, k and v of qkv), in row order."""
+        parts = [(name, rows) for key, name, rows in self.plan.layer_weights(i) if key == f"{path}.weight"]
+        return sorted(parts, key=lambda part: 0 if part[1] is None else part[1].start or 0)
 
     def _store_projections(self, i: int, source):
         """Re-store layer i's projection matrices in the weight format (formats.convert), or, where their dense
@@ -546,10 +555,8 @@ class CausalLM:
             owner = block.get_submodule(owner_path)
             linear = getattr(owner, attribute)
             if self.weight_format == "gguf":
-                parts = sorted((rows.start if rows else 0, name) for key, name, rows in self.plan.layer_weights(i)
-                               if key == f"{path}.weight")
-                stored = GGUFLinear(_stored_parts(source, [name for _, name in parts], linear.in_features,
-                                                  bf16_tiles=True), linear.bias, self.dtype)
+                stored = GGUFLinear(_stored_parts(source, [name for name, _ in self._parts(i, path)],
+                                                  linear.in_features, bf16_tiles=True), linear.bias, self.dtype)
             elif self._bfloat16_read():
                 stored = self._bfloat16_projection(source, i, path, linear)
             else:
