@@ -98,6 +98,28 @@ def test_gemm_bf16_tiled_multiplies_the_tiles_as_stored(m, n, k, with_bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m, n, k", [(40, 70, 100), (13, 33, 530), (1, 8, 3), (530, 40, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_f32_tiled_multiplies_the_exact_weights(m, n, k, with_bias):
+    """Many rows of float32 x (a prefill in the fp32 profile) on bfloat16 tiles: times the identity each output is
+    the weight widened exactly; otherwise within float32's bound of the exact product (a sum per block of 256
+    columns: 530, three) and about as near it as F.linear on the widened matrix. Every row block, panel edge and
+    odd width."""
+    own = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=own), torch.randn(n, k, generator=own).bfloat16()
+    b = torch.randn(n, generator=own) if with_bias else None
+    weight = kernels.tile_int8(w)
+    assert torch.equal(kernels.gemm_f32_tiled(torch.eye(k), weight, n, None).T, w.float())
+    y = kernels.gemm_f32_tiled(x, weight, n, b)
+    bias = torch.zeros(n, dtype=torch.float64) if b is None else b.double()
+    exact = x.double() @ w.double().T + bias
+    bound = k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + bias.abs()) * 1.01
+    assert y.shape == (m, n) and y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound).all()
+    error = lambda t: (t.double() - exact).abs().mean() / exact.abs().mean()
+    assert error(y) <= 2 * error(torch.nn.functional.linear(x, w.float(), b))
+
+
+@needs_kernels
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matvec_int8(m, n, k, dtype):

@@ -149,6 +149,12 @@ def gemm_bf16_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.T
     return torch.ops.lmstack.gemm_bf16_tiled(x, weight, n, bias)
 
 
+def gemm_f32_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of float32 x, w = untile_int8(weight, n, K) widened exactly: gemm_bf16_tiled's
+    GEMM in float32, each block of 256 columns summed apart and added, as a float32 BLAS sums them."""
+    return torch.ops.lmstack.gemm_f32_tiled(x, weight, n, bias)
+
+
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for a few rows of float32 x, weight float32 or bfloat16 (widened exactly), summed
     in float64 for float32 weights (each output the exact result rounded about once, more accurately than a

@@ -191,21 +191,49 @@ at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::
 
 namespace {
 
-// y = x @ w.T + bias for many rows of bfloat16 x, w tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32)
-// bfloat16, zero-padded)
+// The 16 rows n..n+15 of w, tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32) bfloat16, zero-padded),
+// at columns k..k+31 (64 bytes apart within a tile; zeros past N)
+inline void tile_rows(const uint16_t* w, int64_t N, int64_t K32, int64_t n, int64_t k, const uint16_t** at) {
+  static const uint16_t zeros[32] = {};
+  for (int64_t i = 0; i < 16; i++)
+    at[i] = n + i < N ? w + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
+}
+
+// y = x @ w.T + bias for many rows of bfloat16 x, w tiled as kernels.tile_int8 stores it
 at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
   lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_bf16_tiled");
   const int64_t K32 = w.size(1);
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  static const uint16_t zeros[32] = {};
   return lmstack::gemm_bf16(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
     const uint16_t* at[16];
     for (int64_t k = k0; k < k0 + kc; k += 32)
-      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {  // two tiles: 16 rows of 32 columns, 64 bytes apart
-        const int64_t n = n0 + half;
-        for (int64_t i = 0; i < 16; i++)
-          at[i] = n + i < N ? wp + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
+      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+        tile_rows(wp, N, K32, n0 + half, k, at);
         transpose_pairs(at, out + (k - k0) / 2 * GEMM_PANEL + half);
+      }
+  });
+}
+
+// y = x @ w.T + bias for many rows of float32 x, w's bfloat16 tiles widened exactly: a pair of columns transposed
+// into one word per row, whose high half is the odd column's float32 and whose low half, shifted up, the even's
+at::Tensor gemm_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
+  lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_f32_tiled");
+  const int64_t K32 = w.size(1);
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  return lmstack::gemm_f32(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    const uint16_t* at[16];
+    const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+    for (int64_t k = k0; k < k0 + kc; k += 32)
+      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+        tile_rows(wp, N, K32, n0 + half, k, at);
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(at[i]);
+        lmstack::transpose16(v);
+        uint32_t* column = out + (k - k0) * GEMM_PANEL + half;
+        for (int p = 0; p < 16; p++) {
+          _mm512_store_si512(column + 2 * p * GEMM_PANEL, _mm512_slli_epi32(v[p], 16));
+          _mm512_store_si512(column + (2 * p + 1) * GEMM_PANEL, _mm512_and_si512(v[p], high));
+        }
       }
   });
 }
@@ -214,4 +242,5 @@ at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, 
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_bf16_tiled);
+  m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_f32_tiled);
 }
