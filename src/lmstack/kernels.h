@@ -94,6 +94,10 @@ at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::
 // GEMM_PANEL bfloat16 rows (row n at rows + n * stride, kc columns read, rounded up to a multiple of 32) as pairs
 void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out);
 
+// GEMM_PANEL float32 rows (row n at rows + n * stride; zeros from row `count` on) as gemm_f32's columns, kc of them
+// read and rounded up to a multiple of 16
+void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t kc, uint32_t* out);
+
 // w is an (N, K) bfloat16 matrix tiled by kernels.tile_int8: (ceil(N / TILE), ceil(K / 32), TILE, 32), contiguous,
 // on the CPU; `op` names the caller in the error
 inline void check_tiled_bf16(const at::Tensor& w, int64_t N, int64_t K, const char* op) {

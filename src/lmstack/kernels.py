@@ -155,6 +155,12 @@ def gemm_f32_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Te
     return torch.ops.lmstack.gemm_f32_tiled(x, weight, n, bias)
 
 
+def gemm_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for many rows of float32 x and a float32 weight as it is: gemm_f32_tiled's GEMM, each
+    panel of rows transposed into cache as it is read."""
+    return torch.ops.lmstack.gemm_f32_rows(x, weight, bias)
+
+
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for a few rows of float32 x, weight float32 or bfloat16 (widened exactly), summed
     in float64 for float32 weights (each output the exact result rounded about once, more accurately than a

@@ -114,6 +114,19 @@ void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* o
     }
 }
 
+void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t kc, uint32_t* out) {
+  for (int64_t k = 0; k < kc; k += 16) {
+    const __mmask16 mask = kc - k >= 16 ? 0xffff : (__mmask16)((1u << (kc - k)) - 1);
+    for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+      __m512i v[16];
+      for (int64_t i = 0; i < 16; i++)
+        v[i] = half + i < count ? _mm512_maskz_loadu_epi32(mask, rows + (half + i) * stride + k) : _mm512_setzero_si512();
+      transpose16(v);
+      for (int j = 0; j < 16; j++) _mm512_store_si512(out + (k + j) * GEMM_PANEL + half, v[j]);
+    }
+  }
+}
+
 // y = x @ w.T + bias: x and bias bfloat16 (the columns' pairs in a word), or float32 (F32: a column a word, a block
 // of columns at most F32_KC, the output float32)
 template <bool F32>
@@ -238,9 +251,22 @@ at::Tensor gemm_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, c
   });
 }
 
+// y = x @ w.T + bias for many rows of float32 x and an (N, K) float32 w as it is
+at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == at::kFloat &&
+                  w.size(1) == x.size(-1),
+              "gemm_f32_rows: w must be a contiguous float32 CPU matrix of ", x.size(-1), " columns");
+  const int64_t N = w.size(0), K = w.size(1);
+  const float* wp = w.data_ptr<float>();
+  return lmstack::gemm_f32(x, N, 16, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    lmstack::columns_of_rows(wp + n0 * K + k0, K, N - n0, kc, out);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_bf16_tiled);
   m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_f32_tiled);
+  m.def("gemm_f32_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_f32_rows);
 }

@@ -1301,18 +1301,6 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   return out;
 }
 
-// GEMM_PANEL float32 rows of kc columns (row n at rows + n * kc, kc a multiple of 16) as gemm_f32's columns:
-// out[k * GEMM_PANEL + n] = row n's column k, 16 x 16 transposes of 32-bit values
-void columns_of_rows(const float* rows, int64_t kc, uint32_t* out) {
-  for (int64_t k = 0; k < kc; k += 16)
-    for (int64_t half = 0; half < lmstack::GEMM_PANEL; half += 16) {
-      __m512i v[16];
-      for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(rows + (half + i) * kc + k);
-      transpose16(v);
-      for (int j = 0; j < 16; j++) _mm512_storeu_si512(out + (k + j) * lmstack::GEMM_PANEL + half, v[j]);
-    }
-}
-
 // y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
 // dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
 // kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
@@ -1331,7 +1319,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
         thread_local std::vector<float> rows;
         rows.resize(PANEL * kc);
         fill(n0, k0 / QK, (k0 + kc) / QK, rows.data());
-        columns_of_rows(rows.data(), kc, out);
+        lmstack::columns_of_rows(rows.data(), kc, PANEL, kc, out);
       });
     };
     auto by_rows = [&](const auto& row) {  // a row at a time (zeros past N)
