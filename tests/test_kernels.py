@@ -100,16 +100,17 @@ def test_gemm_bf16_tiled_multiplies_the_tiles_as_stored(m, n, k, with_bias):
 @needs_kernels
 @pytest.mark.parametrize("m, n, k", [(40, 70, 100), (13, 33, 530), (1, 8, 3), (530, 40, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_float32_gemm_multiplies_the_exact_weights(m, n, k, with_bias, weight_dtype):
-    """Many rows of float32 x (a prefill in the fp32 profile) on bfloat16 tiles (gemm_f32_tiled) or a float32 matrix
-    as it is (gemm_f32_rows): times the identity each output is the weight, exactly; otherwise within float32's bound
-    of the exact product (a sum per block of 256 columns: 530, three) and about as near it as F.linear. Every row
-    block, panel edge and ragged last block of columns."""
+@pytest.mark.parametrize("weight_dtype, tiled", [(torch.bfloat16, True), (torch.bfloat16, False),
+                                                  (torch.float32, False)])
+def test_float32_gemm_multiplies_the_exact_weights(m, n, k, with_bias, weight_dtype, tiled):
+    """Many rows of float32 x (a prefill in the fp32 profile) on bfloat16 tiles (gemm_f32_tiled) or a bfloat16 or
+    float32 matrix as it is (gemm_f32_rows): times the identity each output is the weight, exactly; otherwise
+    within float32's bound of the exact product (a sum per block of 256 columns: 530, three) and about as near it
+    as F.linear. Every row block, panel edge and ragged last block of columns."""
     own = torch.Generator().manual_seed(m * n + k)
     x, w = torch.randn(m, k, generator=own), torch.randn(n, k, generator=own).to(weight_dtype)
     b = torch.randn(n, generator=own) if with_bias else None
-    if weight_dtype == torch.bfloat16:
+    if tiled:
         weight = kernels.tile_int8(w)
         gemm = lambda x, b: kernels.gemm_f32_tiled(x, weight, n, b)
     else:

@@ -269,8 +269,8 @@ class MatvecLinear(nn.Module):
     stored tiled (kernels.tile_int8), which the kernels read faster, unless `tile` is False (a tied head, which
     shares the embedding's memory); many rows then take kernels.gemm_bf16_tiled or gemm_f32_tiled (where
     kernels.gemm_for_prefill), which read the tiles as stored: F.linear needs them untiled, a copy of every weight
-    per call. A float32 matrix takes kernels.gemm_f32_rows there: MKL's float32 F.linear ran at a third of its rate on
-    an AMD EPYC."""
+    per call. Under float32 activations an untiled matrix takes kernels.gemm_f32_rows there: MKL's float32 F.linear
+    ran at half its rate on an AMD EPYC."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
@@ -308,7 +308,7 @@ class MatvecLinear(nn.Module):
                 return kernels.gemm_f32_tiled(x, self.weight, self.shape[0], self.bias)
             if self.tiled and x.dtype == torch.bfloat16 and self.shape[1] % 2 == 0:
                 return kernels.gemm_bf16_tiled(x, self.weight, self.shape[0], self.bias)
-            if x.dtype == self.weight.dtype == torch.float32:
+            if x.dtype == torch.float32 and not self.tiled:
                 return kernels.gemm_f32_rows(x, self.weight, self.bias)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 

@@ -156,8 +156,9 @@ def gemm_f32_tiled(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Te
 
 
 def gemm_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias for many rows of float32 x and a float32 weight as it is: gemm_f32_tiled's GEMM, each
-    panel of rows transposed into cache as it is read."""
+    """x @ weight.T + bias for many rows of float32 x and a float32 or bfloat16 (widened exactly) weight as it is
+    (a tied head, which shares the embedding's memory): gemm_f32_tiled's GEMM, each panel of rows transposed into
+    cache as it is read."""
     return torch.ops.lmstack.gemm_f32_rows(x, weight, bias)
 
 

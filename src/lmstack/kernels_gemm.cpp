@@ -227,39 +227,58 @@ at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, 
   });
 }
 
-// y = x @ w.T + bias for many rows of float32 x, w's bfloat16 tiles widened exactly: a pair of columns transposed
-// into one word per row, whose high half is the odd column's float32 and whose low half, shifted up, the even's
+// columns[c * GEMM_PANEL] for c < 32 = 16 rows' bfloat16 columns k..k+31 (row i's at at[i]; those past `mask` read as
+// zeros) widened exactly, as gemm_f32 takes them: each pair of columns transposed into one word per row, whose high
+// half is the odd column's float32 and whose low half, shifted up, the even's
+inline void widened_columns(const uint16_t* const* at, __mmask32 mask, uint32_t* columns) {
+  __m512i v[16];
+  for (int i = 0; i < 16; i++) v[i] = _mm512_maskz_loadu_epi16(mask, at[i]);
+  lmstack::transpose16(v);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  for (int p = 0; p < 16; p++) {
+    _mm512_store_si512(columns + 2 * p * GEMM_PANEL, _mm512_slli_epi32(v[p], 16));
+    _mm512_store_si512(columns + (2 * p + 1) * GEMM_PANEL, _mm512_and_si512(v[p], high));
+  }
+}
+
+// y = x @ w.T + bias for many rows of float32 x, w's bfloat16 tiles widened exactly
 at::Tensor gemm_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
   lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_f32_tiled");
   const int64_t K32 = w.size(1);
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   return lmstack::gemm_f32(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
     const uint16_t* at[16];
-    const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
     for (int64_t k = k0; k < k0 + kc; k += 32)
       for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
         tile_rows(wp, N, K32, n0 + half, k, at);
-        __m512i v[16];
-        for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(at[i]);
-        lmstack::transpose16(v);
-        uint32_t* column = out + (k - k0) * GEMM_PANEL + half;
-        for (int p = 0; p < 16; p++) {
-          _mm512_store_si512(column + 2 * p * GEMM_PANEL, _mm512_slli_epi32(v[p], 16));
-          _mm512_store_si512(column + (2 * p + 1) * GEMM_PANEL, _mm512_and_si512(v[p], high));
-        }
+        widened_columns(at, ~0u, out + (k - k0) * GEMM_PANEL + half);
       }
   });
 }
 
-// y = x @ w.T + bias for many rows of float32 x and an (N, K) float32 w as it is
+// y = x @ w.T + bias for many rows of float32 x and an (N, K) float32 or bfloat16 (widened exactly) w as it is
 at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == at::kFloat &&
-                  w.size(1) == x.size(-1),
-              "gemm_f32_rows: w must be a contiguous float32 CPU matrix of ", x.size(-1), " columns");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.size(1) == x.size(-1),
+              "gemm_f32_rows: w must be a contiguous float32 or bfloat16 CPU matrix of ", x.size(-1), " columns");
   const int64_t N = w.size(0), K = w.size(1);
-  const float* wp = w.data_ptr<float>();
-  return lmstack::gemm_f32(x, N, 16, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-    lmstack::columns_of_rows(wp + n0 * K + k0, K, N - n0, kc, out);
+  if (w.scalar_type() == at::kFloat) {
+    const float* wp = w.data_ptr<float>();
+    return lmstack::gemm_f32(x, N, 16, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+      lmstack::columns_of_rows(wp + n0 * K + k0, K, N - n0, kc, out);
+    });
+  }
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  static const uint16_t zeros[32] = {};
+  return lmstack::gemm_f32(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    const uint16_t* at[16];
+    for (int64_t k = k0; k < k0 + kc; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~0u : (__mmask32)((1u << (K - k)) - 1);
+      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+        for (int64_t i = 0; i < 16; i++) at[i] = n0 + half + i < N ? wp + (n0 + half + i) * K + k : zeros;
+        widened_columns(at, mask, out + (k - k0) * GEMM_PANEL + half);
+      }
+    }
   });
 }
 
