@@ -126,6 +126,23 @@ def test_float32_gemm_multiplies_the_exact_weights(m, n, k, with_bias, weight_dt
 
 
 @needs_kernels
+@pytest.mark.parametrize("m, n, k", [(40, 70, 100), (13, 33, 530), (1, 8, 3), (530, 40, 64)])
+def test_float32_gemm_on_int8_tiles(m, n, k):
+    """Many rows of float32 x on matvec_int8's weights (an int8 prefill in the fp32 profile): (x @ q.T) * scales +
+    bias, q widened exactly (times the identity, each output is q * scale), within float32's bound otherwise."""
+    own = torch.Generator().manual_seed(m + n * k)
+    x, b, scales = torch.randn(m, k, generator=own), torch.randn(n, generator=own), torch.rand(n, generator=own)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=own)
+    q[0, :3] = torch.tensor([-127, 127, -1], dtype=torch.int8)  # each byte's sign kept
+    tiled = kernels.tile_int8(q)
+    assert torch.equal(kernels.gemm_f32_int8_tiled(torch.eye(k), tiled, scales, None).T, q.float() * scales[:, None])
+    y = kernels.gemm_f32_int8_tiled(x, tiled, scales, b)
+    exact = (x.double() @ q.double().T) * scales.double() + b.double()
+    bound = (k + 2) * 2.0 ** -24 * ((x.double().abs() @ q.double().abs().T) * scales.double() + b.double().abs())
+    assert y.shape == (m, n) and y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound * 1.01).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matvec_int8(m, n, k, dtype):

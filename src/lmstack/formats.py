@@ -192,7 +192,9 @@ class Int8Linear(nn.Module):
         if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
-        else:  # many rows (a prefill): dequantizing once for a dense matmul beats the few-row kernels
+        elif self.kernel and x.dtype == torch.float32 and kernels.gemm_for_prefill():  # many rows (a prefill)
+            return kernels.gemm_f32_int8_tiled(x, self.weight, self.scales, self.bias)
+        else:  # many rows: dequantizing once for a dense matmul beats the few-row kernels
             y = F.linear(x, self._matrix(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 

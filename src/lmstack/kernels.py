@@ -189,6 +189,13 @@ def untile_int8(tiled: torch.Tensor, n: int, k: int, dtype: torch.dtype | None =
     return rows.reshape(tiled.shape[0] * TILE, -1)[:n, :k]
 
 
+def gemm_f32_int8_tiled(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """(x @ w.T) * scales + bias for many rows of float32 x, w = untile_int8(weight) widened exactly: the GEMM of
+    gemm_f32_tiled on matvec_int8's weights."""
+    return torch.ops.lmstack.gemm_f32_int8_tiled(x, weight, scales, bias)
+
+
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """(x @ w.T) * scales + bias for w = untile_int8(weight) with float32 scales; x in
     bfloat16 or float32."""

@@ -282,10 +282,45 @@ at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::op
   });
 }
 
+// y = (x @ w.T) * scales + bias for many rows of float32 x, w int8 tiled as kernels.tile_int8 stores it (matvec_int8's
+// weights) and widened exactly: a row's block of 32 columns is 8 words of 4, transposed across 16 rows and
+// sign-extended a byte at a time
+at::Tensor gemm_f32_int8_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& bias) {
+  const int64_t N = scales.size(0), K32 = (x.size(-1) + 31) / 32;
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "gemm_f32_int8_tiled: scales must be a contiguous float32 vector");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K32 && w.size(2) == TILE && w.size(3) == 32,
+              "gemm_f32_int8_tiled: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", K32, ", ", TILE,
+              ", 32), got ", w.sizes());
+  const auto* wp = static_cast<const int8_t*>(w.data_ptr());
+  at::Tensor y = lmstack::gemm_f32(x, N, 32, std::nullopt, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    for (int64_t k = k0; k < k0 + kc; k += 32)
+      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+        __m512i v[16];
+        for (int64_t i = 0, n = n0 + half; i < 16; i++, n++)
+          v[i] = n < N ? _mm512_zextsi256_si512(_mm256_loadu_si256(
+                             (const __m256i*)(wp + ((n / TILE * K32 + k / 32) * TILE + n % TILE) * 32)))
+                       : _mm512_setzero_si512();
+        lmstack::transpose16(v);
+        uint32_t* columns = out + (k - k0) * GEMM_PANEL + half;
+        for (int p = 0; p < 8; p++)
+          for (int j = 0; j < 4; j++)
+            _mm512_store_ps((float*)(columns + (4 * p + j) * GEMM_PANEL),
+                            _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v[p], 24 - 8 * j), 24)));
+      }
+  });
+  y.mul_(scales);
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_bf16_tiled);
   m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_f32_tiled);
   m.def("gemm_f32_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_f32_rows);
+  m.def("gemm_f32_int8_tiled(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", gemm_f32_int8_tiled);
 }
