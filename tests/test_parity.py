@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from conftest import VARIANTS
-from lmstack import CausalLM
+from lmstack import CausalLM, kernels
 
 SEQ = 17  # longer than every sliding window in VARIANTS
 
@@ -68,10 +68,14 @@ def test_bfloat16_matches_transformers_bfloat16(tiny_checkpoint, name):
 
 
 @pytest.mark.parametrize("profile", [None, "bf16"])
-def test_bfloat16_load_keeps_checkpoint_bits(tiny_checkpoint, profile):
-    """Projections keep their bits; the embedding, norms and head take the arithmetic's dtype (exactly)."""
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_bfloat16_load_keeps_checkpoint_bits(tiny_checkpoint, profile, kernels_on, monkeypatch):
+    """Projections keep their bits; so do the embedding and head where lmstack's kernels multiply bfloat16 in
+    float32 (the values are the same in either dtype); the norms take the arithmetic's dtype (exactly)."""
     from safetensors.torch import load_file
 
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "available", lambda: False)
     path, _ = tiny_checkpoint("llama_bf16")
     lm = CausalLM.load(path, weight_format="bfloat16", numeric_profile=profile, device="cpu")
     saved = load_file(path / "model.safetensors")
@@ -79,7 +83,9 @@ def test_bfloat16_load_keeps_checkpoint_bits(tiny_checkpoint, profile):
     for name, tensor in saved.items():
         assert tensor.dtype == torch.bfloat16
         held = weights[name]
-        assert held.dtype == (torch.bfloat16 if profile or name.endswith("proj.weight") else torch.float32), name
+        kept = profile or name.endswith("proj.weight") or \
+            name in ("model.embed_tokens.weight", "lm_head.weight") and kernels.available()
+        assert held.dtype == (torch.bfloat16 if kept else torch.float32), name
         assert torch.equal(held.bfloat16().view(torch.int16), tensor.view(torch.int16)), name
 
 

@@ -418,7 +418,7 @@ class CausalLM:
         if self.weight_format == "gguf":
             self.embed = self.head = None
         else:
-            self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=dtype, device=first)
+            self.embed = torch.empty(plan.vocab_size, plan.d_model, dtype=self._embed_dtype(source), device=first)
             self.head = self.embed if tied_here else torch.empty_like(self.embed, device=last)
         self.head_projection = None  # the head's matmul, made once the head is loaded (_store_head)
         self.rotary = self.local_rotary = None  # local: the sliding layers' own settings, where they differ
@@ -432,6 +432,17 @@ class CausalLM:
         self._weights: dict[str, torch.Tensor] = {}
         self._converted: dict[str, tuple] = {}  # name -> (module, rows, attribute) of a re-stored projection
 
+    def _embed_dtype(self, source) -> torch.dtype:
+        """The embedding's (and head's) storage: the arithmetic's dtype, or bfloat16 under float32 arithmetic where
+        the checkpoint stores them so, the format is not float32 and lmstack's kernels multiply bfloat16 weights in
+        float32 (CPU): the same values in half the memory, and half the bytes the head reads at every token."""
+        names = [self.plan.embed_name] + ([self.plan.head_name] if self.plan.head_name else [])
+        if self.dtype == torch.float32 and self.weight_format != "float32" and kernels.available() and \
+                all(device.type in ("cpu", "meta") for device in self.layer_devices) and \
+                all(source.info(name).dtype == "BF16" for name in names):
+            return torch.bfloat16
+        return self.dtype
+
     def _check_memory(self, source):
         """Refuse, before allocating, weights larger than their devices can hold (counted as stored)."""
         stored = {"int8": 1, "int4": 0.5, "bfloat16": 2}.get(self.weight_format)  # bytes a weight, as stored
@@ -443,7 +454,7 @@ class CausalLM:
         else:
             for block, device in zip(self.blocks, self.layer_devices):
                 need[device] += sum(p.numel() * (stored or p.element_size()) for p in block.parameters())
-            embed = self.plan.vocab_size * self.plan.d_model * self.dtype.itemsize
+            embed = self.plan.vocab_size * self.plan.d_model * self._embed_dtype(source).itemsize
         need[self.layer_devices[0]] += embed
         if not self.plan.tie_embeddings or self.layer_devices[0] != self.layer_devices[-1]:
             need[self.layer_devices[-1]] += _gguf_bytes(source, self.plan.head_name or self.plan.embed_name) \
