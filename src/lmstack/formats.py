@@ -31,7 +31,8 @@ computes each part as its type and concatenates. The arithmetic of the blocks, p
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
 weights do not depend on the profile. Only the projection matrices of each block are re-stored (each expert's
-of a mixture too; its router stays in the arithmetic's dtype). Where
+of a mixture too; its router stays in the arithmetic's dtype). The embedding and head take the arithmetic's dtype,
+but under fp32 keep a checkpoint's BF16 as bfloat16 where lmstack's kernels run (model.py: widened where used). Where
 lmstack's kernels cannot run (kernels.py): float32 is F.linear (oneDNN's packed float32 is faster for one
 row, and 2-3x further from a float64 run on real weights), bfloat16 in bf16 oneDNN-packed, in fp32 widened
 per call; int8 few-row products use torch._weight_int8pack_mm (bf16) or dequantize per call (fp32).
