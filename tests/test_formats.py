@@ -114,7 +114,8 @@ def test_int4_groups_are_within_half_a_step(llama):
 @pytest.mark.parametrize("n", [192, 960, 48])  # 64-row blocks, and one block of row pairs
 def test_int4_many_rows_multiply_the_weights_pytorch_int4_kernel_uses(n, dtype):
     """A prefill's rows go through one GEMM on the weights dequantized from PyTorch's packed layout: the very
-    values its int4 kernel multiplies (to one rounding of dtype), and the same products up to summation order."""
+    values its int4 kernel multiplies (to one rounding of dtype), and the same products up to summation order.
+    In float32, with 64-row blocks, lmstack's GEMM dequantizes a panel at a time: the same values exactly."""
     torch.manual_seed(n)
     linear = nn.Linear(96, n)
     module = Int4Linear(linear, dtype)
@@ -123,6 +124,8 @@ def test_int4_many_rows_multiply_the_weights_pytorch_int4_kernel_uses(n, dtype):
     theirs, ours = module._matmul(unit).float(), module._dequantized(dtype).float()
     step = 2 ** -23 if dtype == torch.float32 else 2 ** -8
     assert ((ours - theirs).abs() <= step * theirs.abs() + 1e-30).all()
+    if dtype == torch.float32 and n % 64 == 0:
+        assert torch.equal(kernels.gemm_f32_int4pack(unit, module.weight, module.scales_zeros, n, None), ours)
     x = torch.randn(40, 96, dtype=dtype)
     many, few = module(x), torch.cat([module(x[i:i + 8]) for i in range(0, 40, 8)])  # 40 rows: dequantized
     assert relative_delta(many.float(), few.float()) < (1e-5 if dtype == torch.float32 else 2e-2)

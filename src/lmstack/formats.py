@@ -258,8 +258,12 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):
         """PyTorch's int4 kernel on a few rows; on many (a prefill), the weights dequantized in x's dtype for one
-        GEMM (oneDNN's, on AMX where the CPU has it), which reads them once instead of once a row."""
+        GEMM (oneDNN's, on AMX where the CPU has it), which reads them once instead of once a row; in float32 where
+        kernels.gemm_for_prefill, lmstack's GEMM, dequantizing a panel at a time (MKL's ran at a third of its rate
+        on an AMD EPYC)."""
         if self.dequantizes and x.numel() > INT4_KERNEL_ROWS * self.in_features and not row_invariant_active():
+            if x.dtype == torch.float32 and self.out_features % 64 == 0 and kernels.gemm_for_prefill():
+                return kernels.gemm_f32_int4pack(x, self.weight, self.scales_zeros, self.out_features, self.bias)
             y = x @ self._dequantized(x.dtype)
         else:
             y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)

@@ -253,6 +253,13 @@ def int4pack_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, n: i
     return torch.ops.lmstack.int4pack_dequantize_t(packed, scales_zeros, n, k, dtype)
 
 
+def gemm_f32_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias for many rows of float32 x, w int4pack_dequantize_t's float32 values (transposed back), n a
+    multiple of 64: the float32 GEMM of gemm_f32_tiled, dequantizing a panel at a time (kernels_int4.cpp)."""
+    return torch.ops.lmstack.gemm_f32_int4pack(x, packed, scales_zeros, n, bias)
+
+
 # ---- GGUF blocks as stored (kernels_gguf.cpp) ----------------------------------------------------
 
 

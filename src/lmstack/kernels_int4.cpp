@@ -72,9 +72,47 @@ at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& sca
   return out;
 }
 
+// y = x @ w.T + bias for many rows of float32 x (a prefill in the fp32 profile), N a multiple of 64: the GEMM of
+// kernels_gemm.cpp on the weights dequantized as int4pack_dequantize_t's float32, a panel at a time into its
+// columns (a panel of 32 rows is one half of a 64-row block: the low or high nibbles of each column's 32 bytes)
+at::Tensor gemm_f32_int4pack(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                             int64_t N, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
+                  K % GROUP == 0 && N % BLOCK == 0,
+              "gemm_f32_int4pack: packed must be (", N, ", ", K / 2, ") uint8, N a multiple of ", BLOCK);
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / GROUP && scales_zeros.size(1) == N &&
+                  scales_zeros.size(2) == 2,
+              "gemm_f32_int4pack: scales_zeros must be (", K / GROUP, ", ", N, ", 2)");
+  static_assert(lmstack::GEMM_PANEL * 2 == BLOCK);
+  const at::Tensor scales = scales_zeros.select(2, 0).to(at::kFloat).contiguous();  // (K / GROUP, N)
+  const at::Tensor zeros = scales_zeros.select(2, 1).to(at::kFloat).contiguous();
+  const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  return lmstack::gemm_f32(x, N, GROUP, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    const int64_t b = n0 / BLOCK, shift = n0 % BLOCK ? 4 : 0;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m512i eight = _mm512_set1_epi32(8);
+    for (int64_t k = k0; k < k0 + kc; k++) {
+      const uint8_t* column = p + b * (BLOCK / 2) * K + k * (BLOCK / 2);
+      const float *s = sp + (k / GROUP) * N + n0, *z = zp + (k / GROUP) * N + n0;
+      for (int64_t h = 0; h < 2; h++) {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(column + 16 * h));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, shift), nibble));
+        const __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)),
+                                                     _mm512_loadu_ps(s + 16 * h)),
+                                       _mm512_loadu_ps(z + 16 * h));
+        _mm512_store_ps((float*)(out + (k - k0) * lmstack::GEMM_PANEL + 16 * h), w);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("int4pack_dequantize_t(Tensor packed, Tensor scales_zeros, int n, int k, ScalarType dtype) -> Tensor",
         int4pack_dequantize_t);
+  m.def("gemm_f32_int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int n, Tensor? bias) -> Tensor",
+        gemm_f32_int4pack);
 }
