@@ -212,21 +212,6 @@ inline void tile_rows(const uint16_t* w, int64_t N, int64_t K32, int64_t n, int6
     at[i] = n + i < N ? w + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
 }
 
-// y = x @ w.T + bias for many rows of bfloat16 x, w tiled as kernels.tile_int8 stores it
-at::Tensor gemm_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
-  lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_bf16_tiled");
-  const int64_t K32 = w.size(1);
-  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  return lmstack::gemm_bf16(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-    const uint16_t* at[16];
-    for (int64_t k = k0; k < k0 + kc; k += 32)
-      for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
-        tile_rows(wp, N, K32, n0 + half, k, at);
-        transpose_pairs(at, out + (k - k0) / 2 * GEMM_PANEL + half);
-      }
-  });
-}
-
 // columns[c * GEMM_PANEL] for c < 32 = 16 rows' bfloat16 columns k..k+31 (row i's at at[i]; those past `mask` read as
 // zeros) widened exactly, as gemm_f32 takes them: each pair of columns transposed into one word per row, whose high
 // half is the odd column's float32 and whose low half, shifted up, the even's
@@ -241,17 +226,23 @@ inline void widened_columns(const uint16_t* const* at, __mmask32 mask, uint32_t*
   }
 }
 
-// y = x @ w.T + bias for many rows of float32 x, w's bfloat16 tiles widened exactly
-at::Tensor gemm_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
-  lmstack::check_tiled_bf16(w, N, x.size(-1), "gemm_f32_tiled");
+// y = x @ w.T + bias for many rows of x, w tiled as kernels.tile_int8 stores it: bfloat16 x meets the tiles' pairs of
+// columns, float32 x (F32) their columns widened exactly
+template <bool F32>
+at::Tensor gemm_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
+  lmstack::check_tiled_bf16(w, N, x.size(-1), F32 ? "gemm_f32_tiled" : "gemm_bf16_tiled");
   const int64_t K32 = w.size(1);
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  return lmstack::gemm_f32(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+  return (F32 ? lmstack::gemm_f32 : lmstack::gemm_bf16)(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc,
+                                                                          uint32_t* out) {
     const uint16_t* at[16];
     for (int64_t k = k0; k < k0 + kc; k += 32)
       for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
         tile_rows(wp, N, K32, n0 + half, k, at);
-        widened_columns(at, ~0u, out + (k - k0) * GEMM_PANEL + half);
+        if constexpr (F32)
+          widened_columns(at, ~0u, out + (k - k0) * GEMM_PANEL + half);
+        else
+          transpose_pairs(at, out + (k - k0) / 2 * GEMM_PANEL + half);
       }
   });
 }
@@ -319,8 +310,8 @@ at::Tensor gemm_f32_int8_tiled(const at::Tensor& x, const at::Tensor& w, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
-  m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_bf16_tiled);
-  m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_f32_tiled);
+  m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_tiled<false>);
+  m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_tiled<true>);
   m.def("gemm_f32_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_f32_rows);
   m.def("gemm_f32_int8_tiled(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", gemm_f32_int8_tiled);
 }
