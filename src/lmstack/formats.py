@@ -58,6 +58,7 @@ WEIGHT_FORMATS = tuple(PROFILES_OF)
 QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
+INT8_BF16_ROWS = 32  # in bfloat16 without AMX (kernels.gemm_for_prefill): 3x F.linear at 1.7B's shapes, even at 135M's
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
 # and beat lmstack's GEMM on the blocks (kernels.gemm_for_prefill; 1.7B Q4_K, Q4_0 and Q8_0 on an AMD EPYC: the bf16
 # profile's integer dot products 2x at 16-64 rows, float32's exact weights 1.1-1.5x at 16-48)
@@ -194,7 +195,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if self.kernel and (rows <= INT8_KERNEL_ROWS or row_invariant_active()):
+        few = INT8_BF16_ROWS if x.dtype == torch.bfloat16 and kernels.gemm_for_prefill() else INT8_KERNEL_ROWS
+        if self.kernel and (rows <= few or row_invariant_active()):
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
         if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
