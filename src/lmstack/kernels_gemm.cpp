@@ -120,7 +120,8 @@ void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t k
     for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
       __m512i v[16];
       for (int64_t i = 0; i < 16; i++)
-        v[i] = half + i < count ? _mm512_maskz_loadu_epi32(mask, rows + (half + i) * stride + k) : _mm512_setzero_si512();
+        v[i] = half + i < count ? _mm512_maskz_loadu_epi32(mask, rows + (half + i) * stride + k)
+                                : _mm512_setzero_si512();
       transpose16(v);
       for (int j = 0; j < 16; j++) _mm512_store_si512(out + (k + j) * GEMM_PANEL + half, v[j]);
     }
