@@ -526,16 +526,25 @@ void rows_bf16_tiled(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N,
   }
 }
 
+// x, contiguous, after checking it is a CPU tensor of `dtype` (float32 or bfloat16), w the bfloat16 tiles of N outputs
+// for its columns and bias a contiguous vector of N in `dtype`; `op` names the caller in the errors
+at::Tensor tiled_operands(const at::Tensor& x_, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias,
+                          at::ScalarType dtype, const char* op) {
+  const at::Tensor x = x_.contiguous();
+  const char* name = dtype == at::kFloat ? "float32" : "bfloat16";
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == dtype, op, ": x must be a ", name,
+              " CPU tensor");
+  check_tiled_bf16(w, N, x.size(-1), op);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == dtype, op,
+                ": bias must be a contiguous ", name, " vector of ", N);
+  return x;
+}
+
 at::Tensor matvec_bf16_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t N,
                              const std::optional<at::Tensor>& bias) {
-  const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "matvec_bf16: x must be a bfloat16 CPU tensor");
+  const at::Tensor x = tiled_operands(x_, w, N, bias, at::kBFloat16, "matvec_bf16");
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  check_tiled_bf16(w, N, K, "matvec_bf16");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
-                "matvec_bf16: bias must be a contiguous bfloat16 vector of ", N);
   at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
@@ -585,14 +594,8 @@ at::Tensor matvec_f32(const at::Tensor& x_, const at::Tensor& w, const std::opti
 // to float32: what matvec_f32 computes from the same weights untiled, read as one stream
 at::Tensor matvec_f32_tiled(const at::Tensor& x_, const at::Tensor& w, int64_t N,
                             const std::optional<at::Tensor>& bias) {
-  const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
-              "matvec_f32_tiled: x must be a float32 CPU tensor");
+  const at::Tensor x = tiled_operands(x_, w, N, bias, at::kFloat, "matvec_f32_tiled");
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
-  check_tiled_bf16(w, N, K, "matvec_f32_tiled");
-  if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kFloat,
-                "matvec_f32_tiled: bias must be a contiguous float32 vector of ", N);
   at::Tensor y = at::empty(out_shape(x, N), x.options());
   const auto* xp = static_cast<const float*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
