@@ -14,11 +14,31 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace {
 
 constexpr int64_t GROUP = 32;  // formats.py's INT4_GROUP: one scale and zero per 32 columns of a row
 constexpr int64_t BLOCK = 64;  // rows per block of the packed layout
+
+// scales_zeros, (K / GROUP, N, 2), checked (`op` names the caller) and split: float32 scales and zeros, each
+// (K / GROUP, N)
+std::pair<at::Tensor, at::Tensor> scales_and_zeros(const at::Tensor& scales_zeros, int64_t N, int64_t K,
+                                                   const char* op) {
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / GROUP && scales_zeros.size(1) == N &&
+                  scales_zeros.size(2) == 2,
+              op, ": scales_zeros must be (", K / GROUP, ", ", N, ", 2)");
+  return {scales_zeros.select(2, 0).to(at::kFloat).contiguous(), scales_zeros.select(2, 1).to(at::kFloat).contiguous()};
+}
+
+// 16 rows' weights in one column of a 64-row block, (q - 8) * scale + zero: q the low (half 0) or high (half 1)
+// nibbles of the column's 16 bytes at `bytes`, s and z the rows' scales and zeros
+inline __m512 block_weights(const uint8_t* bytes, int64_t half, const float* s, const float* z) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)bytes);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4 * half), _mm_set1_epi8(0x0F)));
+  const __m512 centered = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8)));
+  return _mm512_add_ps(_mm512_mul_ps(centered, _mm512_loadu_ps(s)), _mm512_loadu_ps(z));
+}
 
 // The transposed weights wt[k, n] = (q[n, k] - 8) * scale[k / GROUP, n] + zero[k / GROUP, n], (K, N) in dtype
 // (float32, or those values rounded to bfloat16): a 64-row block's column k is 32 bytes, 64 consecutive outputs
@@ -27,19 +47,13 @@ at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& sca
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
                   K % GROUP == 0 && N % 2 == 0,
               "int4pack_dequantize_t: packed must be (", N, ", ", K / 2, ") uint8");
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / GROUP && scales_zeros.size(1) == N &&
-                  scales_zeros.size(2) == 2,
-              "int4pack_dequantize_t: scales_zeros must be (", K / GROUP, ", ", N, ", 2)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int4pack_dequantize_t: dtype float32 or bfloat16");
-  const at::Tensor scales = scales_zeros.select(2, 0).to(at::kFloat).contiguous();  // (K / GROUP, N)
-  const at::Tensor zeros = scales_zeros.select(2, 1).to(at::kFloat).contiguous();
+  const auto [scales, zeros] = scales_and_zeros(scales_zeros, N, K, "int4pack_dequantize_t");
   const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
   const uint8_t* p = packed.data_ptr<uint8_t>();
   at::Tensor out = at::empty({K, N}, packed.options().dtype(dtype));
   const bool bf16 = dtype == at::kBFloat16;
   void* op = out.data_ptr();
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m512i eight = _mm512_set1_epi32(8);
   at::parallel_for(0, K, std::max<int64_t>(1, lmstack::TASK_WEIGHTS / N), [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; k++) {
       const float *s = sp + (k / GROUP) * N, *z = zp + (k / GROUP) * N;
@@ -55,17 +69,11 @@ at::Tensor int4pack_dequantize_t(const at::Tensor& packed, const at::Tensor& sca
       }
       for (int64_t b = 0; b < N / BLOCK; b++) {
         const uint8_t* column = p + b * (BLOCK / 2) * K + k * (BLOCK / 2);
-        for (int64_t h = 0; h < 2; h++) {  // bytes 16h..16h+15: rows 16h.. (low nibbles) and 32 + 16h.. (high)
-          const __m128i v = _mm_loadu_si128((const __m128i*)(column + 16 * h));
-          const __m512i halves[2] = {_mm512_cvtepu8_epi32(_mm_and_si128(v, nibble)),
-                                     _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble))};
+        for (int64_t h = 0; h < 2; h++)  // bytes 16h..16h+15: rows 16h.. (low nibbles) and 32 + 16h.. (high)
           for (int64_t half = 0; half < 2; half++) {
             const int64_t n = b * BLOCK + half * (BLOCK / 2) + 16 * h;
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(halves[half], eight));
-            lmstack::store16(op, bf16, k * N + n,
-                             _mm512_add_ps(_mm512_mul_ps(q, _mm512_loadu_ps(s + n)), _mm512_loadu_ps(z + n)));
+            lmstack::store16(op, bf16, k * N + n, block_weights(column + 16 * h, half, s + n, z + n));
           }
-        }
       }
     }
   });
@@ -81,29 +89,18 @@ at::Tensor gemm_f32_int4pack(const at::Tensor& x, const at::Tensor& packed, cons
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == N * K &&
                   K % GROUP == 0 && N % BLOCK == 0,
               "gemm_f32_int4pack: packed must be (", N, ", ", K / 2, ") uint8, N a multiple of ", BLOCK);
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / GROUP && scales_zeros.size(1) == N &&
-                  scales_zeros.size(2) == 2,
-              "gemm_f32_int4pack: scales_zeros must be (", K / GROUP, ", ", N, ", 2)");
   static_assert(lmstack::GEMM_PANEL * 2 == BLOCK);
-  const at::Tensor scales = scales_zeros.select(2, 0).to(at::kFloat).contiguous();  // (K / GROUP, N)
-  const at::Tensor zeros = scales_zeros.select(2, 1).to(at::kFloat).contiguous();
+  const auto [scales, zeros] = scales_and_zeros(scales_zeros, N, K, "gemm_f32_int4pack");
   const float *sp = scales.data_ptr<float>(), *zp = zeros.data_ptr<float>();
   const uint8_t* p = packed.data_ptr<uint8_t>();
   return lmstack::gemm_f32(x, N, GROUP, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-    const int64_t b = n0 / BLOCK, shift = n0 % BLOCK ? 4 : 0;
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m512i eight = _mm512_set1_epi32(8);
+    const int64_t b = n0 / BLOCK, half = n0 % BLOCK / (BLOCK / 2);
     for (int64_t k = k0; k < k0 + kc; k++) {
       const uint8_t* column = p + b * (BLOCK / 2) * K + k * (BLOCK / 2);
       const float *s = sp + (k / GROUP) * N + n0, *z = zp + (k / GROUP) * N + n0;
-      for (int64_t h = 0; h < 2; h++) {
-        const __m128i v = _mm_loadu_si128((const __m128i*)(column + 16 * h));
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, shift), nibble));
-        const __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)),
-                                                     _mm512_loadu_ps(s + 16 * h)),
-                                       _mm512_loadu_ps(z + 16 * h));
-        _mm512_store_ps((float*)(out + (k - k0) * lmstack::GEMM_PANEL + 16 * h), w);
-      }
+      for (int64_t h = 0; h < 2; h++)
+        _mm512_store_ps((float*)(out + (k - k0) * lmstack::GEMM_PANEL + 16 * h),
+                        block_weights(column + 16 * h, half, s + 16 * h, z + 16 * h));
     }
   });
 }
