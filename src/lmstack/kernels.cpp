@@ -28,7 +28,7 @@ namespace {
 
 using lmstack::exp_ps;
 using lmstack::Prefetch;
-using lmstack::check_tiled_bf16;
+using lmstack::check_tiled;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 constexpr int64_t BF16_AHEAD = 4096;       // bytes of a bfloat16 tile stream prefetched ahead (dot_bf16_tile)
@@ -534,7 +534,7 @@ at::Tensor tiled_operands(const at::Tensor& x_, const at::Tensor& w, int64_t N, 
   const char* name = dtype == at::kFloat ? "float32" : "bfloat16";
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == dtype, op, ": x must be a ", name,
               " CPU tensor");
-  check_tiled_bf16(w, N, x.size(-1), op);
+  check_tiled(w, at::kBFloat16, N, x.size(-1), op);
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == dtype, op,
                 ": bias must be a contiguous ", name, " vector of ", N);
@@ -627,10 +627,7 @@ at::Tensor matvec_int8(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "matvec_int8: scales must be a contiguous float32 vector");
   const int64_t N = scales.size(0), K = x.size(-1);
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + TILE - 1) / TILE &&
-                  w.size(1) == (K + 31) / 32 && w.size(2) == TILE && w.size(3) == 32,
-              "matvec_int8: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
-              ", 32), got ", w.sizes());
+  check_tiled(w, at::kChar, N, K, "matvec_int8");
   if (bias.has_value())
     TORCH_CHECK(
         bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),

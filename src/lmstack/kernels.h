@@ -98,14 +98,14 @@ void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* o
 // read and rounded up to a multiple of 16
 void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t kc, uint32_t* out);
 
-// w is an (N, K) bfloat16 matrix tiled by kernels.tile_int8: (ceil(N / TILE), ceil(K / 32), TILE, 32), contiguous,
-// on the CPU; `op` names the caller in the error
-inline void check_tiled_bf16(const at::Tensor& w, int64_t N, int64_t K, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
+// w is an (N, K) bfloat16 or int8 (`dtype`) matrix tiled by kernels.tile_int8: (ceil(N / TILE), ceil(K / 32), TILE,
+// 32), contiguous, on the CPU; `op` names the caller in the error
+inline void check_tiled(const at::Tensor& w, at::ScalarType dtype, int64_t N, int64_t K, const char* op) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
                   w.size(0) == (N + TILE - 1) / TILE && w.size(1) == (K + 31) / 32 && w.size(2) == TILE &&
                   w.size(3) == 32,
-              op, ": w must be bfloat16 tiled as (", (N + TILE - 1) / TILE, ", ", (K + 31) / 32, ", ", TILE,
-              ", 32), got ", w.sizes());
+              op, ": w must be ", dtype == at::kChar ? "int8" : "bfloat16", " tiled as (", (N + TILE - 1) / TILE,
+              ", ", (K + 31) / 32, ", ", TILE, ", 32), got ", w.sizes());
 }
 
 }  // namespace lmstack

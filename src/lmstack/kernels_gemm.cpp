@@ -231,7 +231,7 @@ inline void widened_columns(const uint16_t* const* at, __mmask32 mask, uint32_t*
 // columns, float32 x (F32) their columns widened exactly
 template <bool F32>
 at::Tensor gemm_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
-  lmstack::check_tiled_bf16(w, N, x.size(-1), F32 ? "gemm_f32_tiled" : "gemm_bf16_tiled");
+  lmstack::check_tiled(w, at::kBFloat16, N, x.size(-1), F32 ? "gemm_f32_tiled" : "gemm_bf16_tiled");
   const int64_t K32 = w.size(1);
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   return (F32 ? lmstack::gemm_f32 : lmstack::gemm_bf16)(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc,
@@ -279,13 +279,10 @@ at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::op
 // sign-extended a byte at a time
 at::Tensor gemm_f32_int8_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                                const std::optional<at::Tensor>& bias) {
-  const int64_t N = scales.size(0), K32 = (x.size(-1) + 31) / 32;
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
               "gemm_f32_int8_tiled: scales must be a contiguous float32 vector");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu() && w.dim() == 4 &&
-                  w.size(0) == (N + TILE - 1) / TILE && w.size(1) == K32 && w.size(2) == TILE && w.size(3) == 32,
-              "gemm_f32_int8_tiled: w must be int8 tiled as (", (N + TILE - 1) / TILE, ", ", K32, ", ", TILE,
-              ", 32), got ", w.sizes());
+  const int64_t N = scales.size(0), K32 = (x.size(-1) + 31) / 32;
+  lmstack::check_tiled(w, at::kChar, N, x.size(-1), "gemm_f32_int8_tiled");
   const auto* wp = static_cast<const int8_t*>(w.data_ptr());
   at::Tensor y = lmstack::gemm_f32(x, N, 32, std::nullopt, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
     for (int64_t k = k0; k < k0 + kc; k += 32)
