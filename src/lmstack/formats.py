@@ -58,18 +58,26 @@ WEIGHT_FORMATS = tuple(PROFILES_OF)
 QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32
 INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a dequantized matmul on CPU
-INT8_BF16_ROWS = 32  # in bfloat16 without AMX (kernels.gemm_for_prefill): 3x F.linear at 1.7B's shapes, even at 135M's
+# and, where lmstack's GEMMs serve prefill (kernels.gemm_for_prefill), in bfloat16 3x F.linear at 1.7B's shapes at
+# 16-32 rows, even at 135M's (F.linear waits for the tiles untiled)
+INT8_BESIDE_GEMM = {torch.bfloat16: 32}
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
 # and beat lmstack's GEMM on the blocks (kernels.gemm_for_prefill; 1.7B Q4_K, Q4_0 and Q8_0 on an AMD EPYC: the bf16
 # profile's integer dot products 2x at 16-64 rows, float32's exact weights 1.1-1.5x at 16-48)
-GGUF_BLOCK_ROWS = {torch.bfloat16: 64, torch.float32: 48}
+GGUF_BESIDE_GEMM = {torch.bfloat16: 64, torch.float32: 48}
 GGUF_DENSE_BYTES = 4 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequantized for one F.linear (the
 # heap keeps a few freed pieces, which add to a prefill's peak: small ones, the GEMM as fast)
 INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 # and the tiled kernels beat lmstack's GEMM on the tiles (kernels.gemm_for_prefill; 1.7B's shapes on an AMD EPYC:
 # bfloat16 at 16 rows 1.5-2x, at 32 1.1-1.4x, even at 64; float32 at 16 1.3x, even at 24-32)
-TILED_MATVEC_ROWS = {torch.bfloat16: 32, torch.float32: 24}
+TILED_BESIDE_GEMM = {torch.bfloat16: 32, torch.float32: 24}
+
+
+def few_rows(x: torch.Tensor, rows: int, beside_gemm: dict) -> int:
+    """Rows of x up to which a module's few-row kernels take it: `rows`, or, where lmstack's GEMMs serve prefill
+    (kernels.gemm_for_prefill: no AMX), the crossover against them for x's dtype in `beside_gemm`."""
+    return beside_gemm.get(x.dtype, rows) if kernels.gemm_for_prefill() else rows
 
 
 _ROW_INVARIANT = threading.local()
@@ -195,8 +203,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        few = INT8_BF16_ROWS if x.dtype == torch.bfloat16 and kernels.gemm_for_prefill() else INT8_KERNEL_ROWS
-        if self.kernel and (rows <= few or row_invariant_active()):
+        if self.kernel and (rows <= few_rows(x, INT8_KERNEL_ROWS, INT8_BESIDE_GEMM) or row_invariant_active()):
             return kernels.matvec_int8(x, self.weight, self.scales, self.bias)
         if self.packed_kernel and rows <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.scales.to(x.dtype))
@@ -310,7 +317,7 @@ class MatvecLinear(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
-        rows = TILED_MATVEC_ROWS.get(x.dtype, MATVEC_ROWS) if self.tiled and kernels.gemm_for_prefill() else MATVEC_ROWS
+        rows = few_rows(x, MATVEC_ROWS, TILED_BESIDE_GEMM if self.tiled else {})
         if self.kernel and (x.numel() <= rows * self.shape[1] or row_invariant_active()):
             if x.dtype == torch.float32:
                 if self.tiled:
@@ -391,12 +398,12 @@ class GGUFBlocks(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T in x's dtype: lmstack's block kernels on a few rows (GGUF_KERNEL_ROWS, or GGUF_BLOCK_ROWS
+        """x @ w.T in x's dtype: lmstack's block kernels on a few rows (GGUF_KERNEL_ROWS, or GGUF_BESIDE_GEMM
         beside lmstack's GEMM); on many (a prefill), a GEMM on the weights dequantized in x's dtype (exactly in
         float32, rounded in bfloat16): a panel at a time inside kernels.gguf_gemm where kernels.gemm_for_prefill,
         else a chunk of rows at a time for F.linear."""
-        rows = GGUF_BLOCK_ROWS.get(x.dtype, GGUF_KERNEL_ROWS) if kernels.gemm_for_prefill() else GGUF_KERNEL_ROWS
-        if self.kernel and (x.numel() <= rows * self.k or row_invariant_active()):
+        if self.kernel and (x.numel() <= few_rows(x, GGUF_KERNEL_ROWS, GGUF_BESIDE_GEMM) * self.k or
+                            row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
         if self.kernel and (x.dtype == torch.float32 or x.dtype == torch.bfloat16 and self.k % 2 == 0) and \
                 kernels.gemm_for_prefill():
