@@ -107,23 +107,17 @@ def test_float32_products_are_the_dequantized_weights_times_x(qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
-def test_bfloat16_prefill_multiplies_the_weights_rounded_to_bfloat16(qtype):
-    """Many rows of bfloat16 x (a prefill): the dequantized weights rounded to bfloat16, products summed in float32
-    and rounded once; times the identity each output is one product, the rounded weight itself. Columns in two
-    blocks, rows past a register block and a panel."""
-    values = kernels.GGUF_TYPES[qtype.value].values
-    rows, cols = 37, 5 * 256 if values == 256 else 34 * 32
-    raw = random_blocks(qtype, rows, cols, seed=2)
-    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).bfloat16()
-    packed = kernels.pack_gguf(torch.from_numpy(raw), qtype.value)
-    assert torch.equal(kernels.gguf_gemm(torch.eye(cols, dtype=torch.bfloat16), packed, qtype.value, rows, None).T, w)
-    x = torch.randn(29, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
-    bias = torch.randn(rows).bfloat16()
-    y = kernels.gguf_gemm(x, packed, qtype.value, rows, bias)
-    exact = x.double() @ w.double().T + bias.double()
-    bound = exact.abs() * 2.0 ** -8 + cols * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T + 1)
-    assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], **by_name)
+def test_bfloat16_prefill_without_amx_takes_the_block_kernels_for_every_row(qtype, monkeypatch):
+    """Where lmstack's GEMMs serve prefill (no AMX), a bfloat16 prefill of many rows keeps llama.cpp's integer dot
+    products: each row's outputs are those of the row alone (no bfloat16 GEMM on dequantized weights)."""
+    monkeypatch.setattr(kernels, "gemm_for_prefill", lambda: True)
+    rows, cols = 40, 512
+    raw = random_blocks(qtype, rows, cols, seed=4)
+    blocks = GGUFBlocks(torch.from_numpy(raw), qtype.value, cols)
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(1)).bfloat16()
+    alone = torch.cat([kernels.gguf_matvec(x[i:i + 1], blocks.weight, qtype.value, rows, None) for i in range(300)])
+    assert torch.equal(blocks(x), alone)
 
 
 @needs_kernels

@@ -43,6 +43,7 @@ def test_kv_pool_and_state_take_memory_as_they_fill(tiny_checkpoint):
 def test_a_prefill_dequantizes_a_band_of_rows_at_a_time_with_the_same_result(profile, monkeypatch):
     """Over GGUF_KERNEL_ROWS rows GGUFBlocks multiplies dequantized weights: bands of 16 rows (not whole tiles of
     the matrix's 37) give the products of the whole matrix dequantized."""
+    monkeypatch.setattr(kernels, "gemm_for_prefill", lambda: False)  # F.linear's bands (with AMX)
     raw = random_blocks(Q.Q8_0, 37, 64, seed=3)
     blocks = GGUFBlocks(torch.from_numpy(raw), Q.Q8_0.value, 64)
     x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(0)).to(profile)

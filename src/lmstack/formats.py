@@ -24,9 +24,9 @@ computes each part as its type and concatenates. The arithmetic of the blocks, p
   bf16: llama.cpp's arithmetic on a few rows: x quantized to int8 as llama.cpp does for the type's dot product
         (per 256 columns as its Q8_K for the K-quants, per 32 columns, q = rint(x * 127 / amax) with the float32
         scale amax / 127, for the others), each block's sub-block integer dot products summed exactly
-        (AVX512-VNNI), times the scales, summed in float32. For many rows (a prefill) the weights dequantized and
-        rounded to bfloat16 go to a bfloat16 GEMM: without AMX, lmstack's (kernels.gguf_gemm: a panel dequantized at
-        a time, in cache), with AMX oneDNN's (F.linear, on chunks of rows dequantized).
+        (AVX512-VNNI), times the scales, summed in float32. Without AMX every row count (a prefill too) takes
+        this arithmetic: its integer dot products beat a bfloat16 GEMM on the dequantized weights at any size; with
+        AMX many rows take oneDNN's bfloat16 GEMM (F.linear, on chunks of rows dequantized and rounded).
 
 int8 is symmetric per output channel; int4 is asymmetric per group of 32 inputs (llama.cpp's Q4_1
 layout, PyTorch's packed CPU kernel); their scales are bfloat16 values in either profile, so the stored
@@ -39,6 +39,7 @@ per call; int8 few-row products use torch._weight_int8pack_mm (bf16) or dequanti
 Off CPU, F.linear multiplies, bfloat16 weights widened per call under fp32.
 """
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,9 +63,11 @@ INT8_KERNEL_ROWS = 16  # up to this many rows the few-row int8 kernels beat a de
 # 16-32 rows, even at 135M's (F.linear waits for the tiles untiled)
 INT8_BESIDE_GEMM = {torch.bfloat16: 32}
 GGUF_KERNEL_ROWS = 16  # and the GGUF block kernels
-# and beat lmstack's GEMM on the blocks (kernels.gemm_for_prefill; 1.7B Q4_K, Q4_0 and Q8_0 on an AMD EPYC: the bf16
-# profile's integer dot products 2x at 16-64 rows, float32's exact weights 1.1-1.5x at 16-48)
-GGUF_BESIDE_GEMM = {torch.bfloat16: 64, torch.float32: 48}
+# and beat lmstack's GEMM on the blocks (kernels.gemm_for_prefill): the bf16 profile's integer dot products at every
+# row count (1.7B's Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 on an AMD EPYC: 1.8x at 64 rows, 1.1-1.3x at 512, 1.0-1.3x at
+# 2048: VNNI multiplies twice the values of a bfloat16 dot product an instruction), float32's exact weights up to 48
+# (1.1-1.5x at 16-48)
+GGUF_BESIDE_GEMM = {torch.bfloat16: math.inf, torch.float32: 48}
 GGUF_DENSE_BYTES = 4 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequantized for one F.linear (the
 # heap keeps a few freed pieces, which add to a prefill's peak: small ones, the GEMM as fast)
 INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
@@ -74,7 +77,7 @@ MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
 TILED_BESIDE_GEMM = {torch.bfloat16: 32, torch.float32: 24}
 
 
-def few_rows(x: torch.Tensor, rows: int, beside_gemm: dict) -> int:
+def few_rows(x: torch.Tensor, rows: int, beside_gemm: dict) -> float:
     """Rows of x up to which a module's few-row kernels take it: `rows`, or, where lmstack's GEMMs serve prefill
     (kernels.gemm_for_prefill: no AMX), the crossover against them for x's dtype in `beside_gemm`."""
     return beside_gemm.get(x.dtype, rows) if kernels.gemm_for_prefill() else rows
@@ -399,14 +402,13 @@ class GGUFBlocks(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T in x's dtype: lmstack's block kernels on a few rows (GGUF_KERNEL_ROWS, or GGUF_BESIDE_GEMM
-        beside lmstack's GEMM); on many (a prefill), a GEMM on the weights dequantized in x's dtype (exactly in
-        float32, rounded in bfloat16): a panel at a time inside kernels.gguf_gemm where kernels.gemm_for_prefill,
-        else a chunk of rows at a time for F.linear."""
+        beside lmstack's GEMM: any number of bfloat16 rows); on many (a prefill), a GEMM on the weights dequantized
+        in x's dtype (exactly in float32, rounded in bfloat16): float32 a panel at a time inside kernels.gguf_gemm
+        where kernels.gemm_for_prefill, else a chunk of rows at a time for F.linear."""
         if self.kernel and (x.numel() <= few_rows(x, GGUF_KERNEL_ROWS, GGUF_BESIDE_GEMM) * self.k or
                             row_invariant_active()):
             return kernels.gguf_matvec(x, self.weight, self.qtype, self.n, None)
-        if self.kernel and (x.dtype == torch.float32 or x.dtype == torch.bfloat16 and self.k % 2 == 0) and \
-                kernels.gemm_for_prefill():
+        if self.kernel and x.dtype == torch.float32 and kernels.gemm_for_prefill():
             return kernels.gguf_gemm(x, self.weight, self.qtype, self.n, None)
         tile = kernels.GGUF_TYPES[self.qtype].tile
         step = max(tile, GGUF_DENSE_BYTES // (self.k * x.element_size()) // tile * tile)

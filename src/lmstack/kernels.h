@@ -91,9 +91,6 @@ at::Tensor gemm_bf16(const at::Tensor& x, int64_t N, int64_t granule, const std:
 at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::optional<at::Tensor>& bias,
                     const WeightPairs& columns);
 
-// GEMM_PANEL bfloat16 rows (row n at rows + n * stride, kc columns read, rounded up to a multiple of 32) as pairs
-void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out);
-
 // GEMM_PANEL float32 rows (row n at rows + n * stride; zeros from row `count` on) as gemm_f32's columns, kc of them
 // read and rounded up to a multiple of 16
 void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t kc, uint32_t* out);

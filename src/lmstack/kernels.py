@@ -461,9 +461,9 @@ def gguf_matvec(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias:
 
 
 def gguf_gemm(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T + bias for many rows of bfloat16 or float32 x (a prefill), w the n rows of pack_gguf's blocks
-    dequantized in x's dtype a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives,
-    without a dense copy of them. For bfloat16 x, K must be even."""
+    """x @ w.T + bias for many rows of float32 x (a prefill in the fp32 profile), w the n rows of pack_gguf's blocks
+    dequantized a panel at a time inside one GEMM (kernels_gemm.cpp): the weights gguf_dequantize gives, without a
+    dense copy of them. (bfloat16 rows take gguf_matvec's integer dot products, faster at any size.)"""
     return torch.ops.lmstack.gguf_gemm(x, packed, qtype, n, bias)
 
 

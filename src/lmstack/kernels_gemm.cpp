@@ -105,15 +105,6 @@ void interleave_rows(const uint32_t* x, int64_t M, int64_t P, uint32_t* out) {
 
 namespace lmstack {
 
-void pairs_of_rows(const uint16_t* rows, int64_t stride, int64_t kc, uint32_t* out) {
-  const uint16_t* at[16];
-  for (int64_t k = 0; k < kc; k += 32)
-    for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
-      for (int64_t i = 0; i < 16; i++) at[i] = rows + (half + i) * stride + k;
-      transpose_pairs(at, out + k / 2 * GEMM_PANEL + half);
-    }
-}
-
 void columns_of_rows(const float* rows, int64_t stride, int64_t count, int64_t kc, uint32_t* out) {
   for (int64_t k = 0; k < kc; k += 16) {
     const __mmask16 mask = kc - k >= 16 ? 0xffff : (__mmask16)((1u << (kc - k)) - 1);

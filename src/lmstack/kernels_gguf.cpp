@@ -990,35 +990,6 @@ void regrouped_k_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_
   }
 }
 
-// Records of one regrouped K-quant tile as kernels_gemm.cpp's GEMM takes them (as regrouped_pairs): each column's
-// 16 weights one vector (T::weights, the values dequant_block_bf16 gives), two columns rounded and
-// interleaved into their pairs
-template <class T>
-void regrouped_k_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* out) {
-  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
-  constexpr int G = T::SUB / 4, SUBS = T::REGS / G;
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t b = 0; b < blocks; b++, rec += R, out += T::QK / 2 * PANEL) {
-    for (int p = 0; p < T::PARTS; p++) {
-      __m512i w[T::REGS];
-      __m512 scale_f[SUBS], min_f[SUBS];
-      part_with_factors<T>(rec, p, w, scale_f, min_f);
-#pragma GCC unroll 16
-      for (int i = 0; i < T::REGS; i++) {
-        const int c = T::column(p, i);
-        for (int t = 0; t < 4; t += 2) {  // columns c + t, c + t + 1: pair (c + t) / 2
-          const __m512i even = byte_of(w[i], t), odd = byte_of(w[i], t + 1);
-          const __m512 low = T::weights(scale_f[i / G], min_f[i / G], even);
-          const __m512 high = T::weights(scale_f[i / G], min_f[i / G], odd);
-          const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(high, low);
-          _mm512_store_si512(out + (c + t) / 2 * PANEL, _mm512_permutexvar_epi16(interleave, pair));
-        }
-      }
-    }
-  }
-}
-
 // ---- the table of types ------------------------------------------------------------------------
 
 struct TypeInfo {  // ggml's id, its name, weights per block, rows of a tile, bytes of one (tile, block) record
@@ -1213,30 +1184,6 @@ void regrouped_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t 
   }
 }
 
-// Blocks of one regrouped tile (`blocks` records from rec, R bytes apart) as kernels_gemm.cpp's GEMM takes them:
-// out[p * GEMM_PANEL + r] = the 32 bits of row r's bfloat16 weights 2p, 2p + 1 of those blocks, each as
-// regrouped_row gives it. A record's registers hold 4 columns of its 16 rows, so each column's 16 weights are one
-// vector, and two columns are rounded and interleaved into their pairs in two ops: no row at a time, no transpose.
-template <int64_t T>
-void regrouped_pairs(const uint8_t* rec, int64_t R, int64_t blocks, uint32_t* out) {
-  constexpr int64_t PANEL = lmstack::GEMM_PANEL;
-  // 16-bit element 2i of a pair: column 2p's weight of row i (the low half of a cvtne2ps_pbh), 2i + 1: column 2p + 1's
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t b = 0; b < blocks; b++, rec += R, out += 16 * PANEL) {
-    const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
-    __m512i w[8];
-    unpack_weights<T>(rec, w);
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; g++)
-      for (int t = 0; t < 4; t += 2) {  // columns 4g + t, 4g + t + 1: pair 2g + t / 2
-        const __m512i even = byte_of(w[g], t), odd = byte_of(w[g], t + 1);
-        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(weights_of<T>(odd, d, m), weights_of<T>(even, d, m));
-        _mm512_store_si512(out + (2 * g + t / 2) * PANEL, _mm512_permutexvar_epi16(interleave, pair));
-      }
-  }
-}
-
 template <class T>
 void whole_row(const uint8_t* wp, int64_t KB, int64_t R, int64_t n, int64_t b0, int64_t b1, void* out, bool bf16,
                int64_t at) {
@@ -1304,93 +1251,59 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t
   return out;
 }
 
-// y = x @ w.T + bias for many rows of bfloat16 x (a prefill): a panel of rows and a block of columns at a time
-// dequantized to bfloat16 (the values gguf_dequantize gives) into a buffer that stays in cache, for
-// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped panel is
-// two tiles, each record's 16 rows dequantized at once into the GEMM's pairs; a Q2_K or Q3_K panel a row at a time,
-// then transposed into them.
+// y = x @ w.T + bias for many rows of float32 x (a prefill in the fp32 profile): a panel of rows and a block of
+// columns at a time dequantized exactly as gguf_dequantize gives them, into a buffer that stays in cache, for
+// kernels_gemm.cpp's GEMM; the weights are read once, never widened to a whole dense matrix. A regrouped K-quant
+// panel is two tiles, each record's 16 rows dequantized at once; the others a row at a time.
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_gemm: x must be float32 (bfloat16 rows take gguf_matvec)");
   const int64_t K = x.size(-1), QK = check_packed(w, type, N, K).values, KB = K / QK, R = w.size(2);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  if (x.scalar_type() == at::kFloat) {  // each weight exactly as gguf_dequantize gives it
-    // the panel's rows, fill(n0, b0, b1, rows) writing each row's blocks b0..b1 - 1 at rows + i * kc
-    auto panels_f32 = [&](const auto& fill) {
-      y = lmstack::gemm_f32(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-        thread_local std::vector<float> rows;
-        rows.resize(PANEL * kc);
-        fill(n0, k0 / QK, (k0 + kc) / QK, rows.data());
-        lmstack::columns_of_rows(rows.data(), kc, PANEL, kc, out);
-      });
-    };
-    auto by_rows = [&](const auto& row) {  // a row at a time (zeros past N)
-      panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
-        const int64_t kc = (b1 - b0) * QK;
-        for (int64_t i = 0; i < PANEL; i++)
-          if (n0 + i < N)
-            row(n0 + i, b0, b1, rows + i * kc);
-          else
-            std::memset(rows + i * kc, 0, kc * 4);
-      });
-    };
-    auto regrouped = [&]<int64_t T>() {
-      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
-        regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
-      });
-    };
-    auto regrouped_k = [&]<class T>() {  // a record's 16 rows at once (dequant_record)
-      const int64_t tiles = w.size(0);
-      panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
-        const int64_t kc = (b1 - b0) * QK;
-        for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
-          const int64_t t = (n0 + i) / REGROUPED_TILE;
-          if (t >= tiles) {
-            std::memset(rows + i * kc, 0, REGROUPED_TILE * kc * 4);
-            continue;
-          }
-          for (int64_t b = b0; b < b1; b++)
-            dequant_record<T>(wp + (t * KB + b) * R, REGROUPED_TILE, rows, false, i * kc + (b - b0) * QK, kc);
-        }
-      });
-    };
-    auto whole = [&]<class T>() {
-      by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
-        whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
-      });
-    };
-    with_gguf_type(type, regrouped, regrouped_k, whole);
-    return y;
-  }
-  // a panel is two tiles of 16 rows, each record's rows at once (`pairs`: regrouped_pairs or regrouped_k_pairs)
-  auto panels = [&](const auto& pairs) {
+  // the panel's rows, fill(n0, b0, b1, rows) writing each row's blocks b0..b1 - 1 at rows + i * kc
+  auto panels_f32 = [&](const auto& fill) {
+    y = lmstack::gemm_f32(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+      thread_local std::vector<float> rows;
+      rows.resize(PANEL * kc);
+      fill(n0, k0 / QK, (k0 + kc) / QK, rows.data());
+      lmstack::columns_of_rows(rows.data(), kc, PANEL, kc, out);
+    });
+  };
+  auto by_rows = [&](const auto& row) {  // a row at a time (zeros past N)
+    panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+      const int64_t kc = (b1 - b0) * QK;
+      for (int64_t i = 0; i < PANEL; i++)
+        if (n0 + i < N)
+          row(n0 + i, b0, b1, rows + i * kc);
+        else
+          std::memset(rows + i * kc, 0, kc * 4);
+    });
+  };
+  auto regrouped = [&]<int64_t T>() {
+    by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
+      regrouped_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
+    });
+  };
+  auto regrouped_k = [&]<class T>() {  // a record's 16 rows at once (dequant_record)
     const int64_t tiles = w.size(0);
-    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+    panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+      const int64_t kc = (b1 - b0) * QK;
       for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
         const int64_t t = (n0 + i) / REGROUPED_TILE;
-        if (t < tiles)
-          pairs(wp + (t * KB + k0 / QK) * R, R, kc / QK, out + i);
-        else
-          for (int64_t p = 0; p < kc / 2; p++) std::memset(out + p * PANEL + i, 0, REGROUPED_TILE * 4);
+        if (t >= tiles) {
+          std::memset(rows + i * kc, 0, REGROUPED_TILE * kc * 4);
+          continue;
+        }
+        for (int64_t b = b0; b < b1; b++)
+          dequant_record<T>(wp + (t * KB + b) * R, REGROUPED_TILE, rows, false, i * kc + (b - b0) * QK, kc);
       }
     });
   };
-  auto regrouped = [&]<int64_t T>() { panels(regrouped_pairs<T>); };
-  auto regrouped_k = [&]<class T>() { panels(regrouped_k_pairs<T>); };
   auto whole = [&]<class T>() {
-    y = lmstack::gemm_bf16(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
-      const int64_t stride = (kc + 31) / 32 * 32;
-      thread_local std::vector<uint16_t> rows;
-      rows.resize(PANEL * stride);
-      for (int64_t i = 0; i < PANEL; i++) {
-        uint16_t* row = rows.data() + i * stride;
-        if (n0 + i < N)
-          whole_row<T>(wp, KB, R, n0 + i, k0 / QK, (k0 + kc) / QK, row, true, 0);
-        else
-          std::memset(row, 0, kc * 2);
-      }
-      lmstack::pairs_of_rows(rows.data(), stride, kc, out);
+    by_rows([&](int64_t n, int64_t b0, int64_t b1, float* o) {
+      whole_row<T>(wp, KB, R, n, b0, b1, o, false, 0);
     });
   };
   with_gguf_type(type, regrouped, regrouped_k, whole);
