@@ -121,6 +121,13 @@ def test_bfloat16_prefill_without_amx_takes_the_block_kernels_for_every_row(qtyp
 
 
 @needs_kernels
+def test_the_kernels_refuse_rows_that_are_not_whole_blocks_by_saying_so():
+    packed = kernels.pack_gguf(torch.from_numpy(random_blocks(Q.Q6_K, 16, 512, seed=5)), Q.Q6_K.value)
+    with pytest.raises(RuntimeError, match=r"Q6_K w's rows must be whole blocks of 256 columns, got 576"):
+        kernels.gguf_matvec(torch.randn(1, 576), packed, Q.Q6_K.value, 16, None)
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, **by_name)
 def test_float32_prefill_multiplies_the_exact_weights(qtype):
     """Many rows of float32 x (a prefill in the fp32 profile): the weights dequantized exactly, products summed in

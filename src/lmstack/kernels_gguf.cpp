@@ -1038,8 +1038,10 @@ const TypeInfo& check_packed(const at::Tensor& w, int64_t type, int64_t N, int64
   const TypeInfo& t = type_info(type);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() && w.dim() == 3,
               "gguf kernels: w must be a contiguous 3-D uint8 CPU tensor");
+  TORCH_CHECK(K % t.values == 0, "gguf kernels: ", t.name, " w's rows must be whole blocks of ", t.values,
+              " columns, got ", K);
   const int64_t tiles = (N + t.rows - 1) / t.rows;
-  TORCH_CHECK(K % t.values == 0 && w.size(0) == tiles && w.size(1) == K / t.values && w.size(2) == t.record,
+  TORCH_CHECK(w.size(0) == tiles && w.size(1) == K / t.values && w.size(2) == t.record,
               "gguf kernels: ", t.name, " w of ", N, " rows and ", K, " columns must be packed as (", tiles, ", ",
               K / t.values, ", ", t.record, "), got ", w.sizes());
   return t;
