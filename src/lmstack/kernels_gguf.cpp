@@ -1266,23 +1266,20 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   constexpr int64_t PANEL = lmstack::GEMM_PANEL;
   at::Tensor y;
-  // the panel's rows, fill(n0, b0, b1, rows) writing each row's blocks b0..b1 - 1 at rows + i * kc
-  auto panels_f32 = [&](const auto& fill) {
+  // the panel's rows below N, fill(n0, b0, b1, rows) writing each row's blocks b0..b1 - 1 at rows + i * kc (the
+  // GEMM's columns take zeros past N)
+  auto panels = [&](const auto& fill) {
     y = lmstack::gemm_f32(x, N, QK, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
       thread_local std::vector<float> rows;
       rows.resize(PANEL * kc);
       fill(n0, k0 / QK, (k0 + kc) / QK, rows.data());
-      lmstack::columns_of_rows(rows.data(), kc, PANEL, kc, out);
+      lmstack::columns_of_rows(rows.data(), kc, std::min(PANEL, N - n0), kc, out);
     });
   };
-  auto by_rows = [&](const auto& row) {  // a row at a time (zeros past N)
-    panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+  auto by_rows = [&](const auto& row) {  // a row at a time
+    panels([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
       const int64_t kc = (b1 - b0) * QK;
-      for (int64_t i = 0; i < PANEL; i++)
-        if (n0 + i < N)
-          row(n0 + i, b0, b1, rows + i * kc);
-        else
-          std::memset(rows + i * kc, 0, kc * 4);
+      for (int64_t i = 0; i < std::min(PANEL, N - n0); i++) row(n0 + i, b0, b1, rows + i * kc);
     });
   };
   auto regrouped = [&]<int64_t T>() {
@@ -1291,18 +1288,12 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, int
     });
   };
   auto regrouped_k = [&]<class T>() {  // a record's 16 rows at once (dequant_record)
-    const int64_t tiles = w.size(0);
-    panels_f32([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
+    panels([&](int64_t n0, int64_t b0, int64_t b1, float* rows) {
       const int64_t kc = (b1 - b0) * QK;
-      for (int64_t i = 0; i < PANEL; i += REGROUPED_TILE) {
-        const int64_t t = (n0 + i) / REGROUPED_TILE;
-        if (t >= tiles) {
-          std::memset(rows + i * kc, 0, REGROUPED_TILE * kc * 4);
-          continue;
-        }
+      for (int64_t i = 0; i < PANEL && n0 + i < N; i += REGROUPED_TILE)
         for (int64_t b = b0; b < b1; b++)
-          dequant_record<T>(wp + (t * KB + b) * R, REGROUPED_TILE, rows, false, i * kc + (b - b0) * QK, kc);
-      }
+          dequant_record<T>(wp + ((n0 + i) / REGROUPED_TILE * KB + b) * R, REGROUPED_TILE, rows, false,
+                            i * kc + (b - b0) * QK, kc);
     });
   };
   auto whole = [&]<class T>() {
