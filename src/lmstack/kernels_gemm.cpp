@@ -196,10 +196,11 @@ at::Tensor gemm_f32(const at::Tensor& x, int64_t N, int64_t granule, const std::
 
 namespace {
 
-// The 16 rows n..n+15 of w, tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32) bfloat16, zero-padded),
-// at columns k..k+31 (64 bytes apart within a tile; zeros past N)
-inline void tile_rows(const uint16_t* w, int64_t N, int64_t K32, int64_t n, int64_t k, const uint16_t** at) {
-  static const uint16_t zeros[32] = {};
+// The 16 rows n..n+15 of w, tiled as kernels.tile_int8 stores it ((N / TILE, K32, TILE, 32) bfloat16 or int8,
+// zero-padded), at columns k..k+31 (32 values apart within a tile; zeros past N)
+template <class T>
+inline void tile_rows(const T* w, int64_t N, int64_t K32, int64_t n, int64_t k, const T** at) {
+  static const T zeros[32] = {};
   for (int64_t i = 0; i < 16; i++)
     at[i] = n + i < N ? w + ((n + i) / TILE * K32 + k / 32) * TILE * 32 + (n + i) % TILE * 32 : zeros;
 }
@@ -278,11 +279,10 @@ at::Tensor gemm_f32_int8_tiled(const at::Tensor& x, const at::Tensor& w, const a
   at::Tensor y = lmstack::gemm_f32(x, N, 32, std::nullopt, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
     for (int64_t k = k0; k < k0 + kc; k += 32)
       for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
+        const int8_t* at[16];
+        tile_rows(wp, N, K32, n0 + half, k, at);
         __m512i v[16];
-        for (int64_t i = 0, n = n0 + half; i < 16; i++, n++)
-          v[i] = n < N ? _mm512_zextsi256_si512(_mm256_loadu_si256(
-                             (const __m256i*)(wp + ((n / TILE * K32 + k / 32) * TILE + n % TILE) * 32)))
-                       : _mm512_setzero_si512();
+        for (int i = 0; i < 16; i++) v[i] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)at[i]));
         lmstack::transpose16(v);
         uint32_t* columns = out + (k - k0) * GEMM_PANEL + half;
         for (int p = 0; p < 8; p++)
