@@ -2,6 +2,7 @@
 dequantize (the weights) and llama.cpp's arithmetic recomputed here (bfloat16 activations)."""
 
 import math
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -315,24 +316,69 @@ def test_logits_match_a_float32_model_of_the_dequantized_weights(tiny_checkpoint
     assert (steps - expected).abs().max() <= 0.05 * scale
 
 
+BF16_PARTS = {f"model.layers.{i}.{name}.weight": Q.BF16 for i in range(2)
+              for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")}
+
+
 @needs_kernels
 def test_bf16_matrices_are_read_straight_into_tiles_under_bf16_arithmetic(tiny_checkpoint, tmp_path):
-    """Under the bf16 profile a BF16 file's q, k and v (rows permuted by llama.cpp's converter) are read into one
-    tiled matrix, as tile_int8 tiles the file's values in Hugging Face's order (the kernel then computes what it
-    computed on tile_int8's tiles); a BF16 matrix beside blocks of another type stays a part of its own."""
-    bf16 = {f"model.layers.{i}.{name}.weight": Q.BF16 for i in range(2)
-            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")}
-    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa", qtype=Q.Q8_0, tensor_types=bf16)
+    """Without mmap, under the bf16 profile a BF16 file's q, k and v (rows permuted by llama.cpp's converter) are
+    read into one tiled matrix, as tile_int8 tiles the file's values in Hugging Face's order (the kernel then
+    computes what it computed on tile_int8's tiles); a BF16 matrix beside blocks of another type stays a part of its
+    own."""
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa", qtype=Q.Q8_0, tensor_types=BF16_PARTS)
     exact = CausalLM.load(path, weight_format="gguf", device="cpu").parameters()
-    lm = CausalLM.load(path, weight_format="gguf", numeric_profile="bf16", device="cpu")
+    lm = CausalLM.load(path, weight_format="gguf", numeric_profile="bf16", device="cpu", mmap=False)
     qkv = lm.blocks[0].attn.qkv.parts
     assert len(qkv) == 1 and isinstance(qkv[0], MatvecLinear) and qkv[0].tiled
     fused = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]).bfloat16()
     assert torch.equal(qkv[0].weight, kernels.tile_int8(fused))
     assert [type(p) for p in lm.blocks[0].mlp.gate_up.parts] == [GGUFBlocks, MatvecLinear]
     for name, weight in exact.items():
-        if name in bf16:
+        if name in BF16_PARTS:
             assert torch.equal(lm.parameters()[name].float(), weight), name
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds the tensor's memory (/proc/self/maps), or None (anonymous memory)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+@needs_kernels
+@pytest.mark.parametrize("profile", ["bf16", "fp32"])
+def test_bf16_matrices_stay_in_the_files_pages(tiny_checkpoint, tmp_path, profile):
+    """By default (mmap) a BF16 matrix in Hugging Face's row order (v, up, a BF16 embedding) is used from the file's
+    own pages, nothing copied, and q and k, whose rows llama.cpp's converter permuted, are read into tiles; the
+    model computes exactly what the tiled copy (mmap=False) computes: prompt, steps and greedy tokens."""
+    types = BF16_PARTS | {"model.embed_tokens.weight": Q.BF16}
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa", qtype=Q.Q8_0, tensor_types=types)
+    exact = CausalLM.load(path, weight_format="gguf", device="cpu", mmap=False).parameters()
+    mapped = CausalLM.load(path, weight_format="gguf", numeric_profile=profile, device="cpu")
+    tiled = CausalLM.load(path, weight_format="gguf", numeric_profile=profile, device="cpu", mmap=False)
+    q_and_k, v = mapped.blocks[0].attn.qkv.parts
+    assert q_and_k.tiled and mapped_file(q_and_k.weight) is None
+    assert not v.tiled and mapped_file(v.weight) == str(path)
+    up = mapped.blocks[1].mlp.gate_up.parts[1]
+    assert mapped_file(up.weight) == str(path) and mapped_file(mapped.embed) == str(path)
+    assert mapped_file(tiled.blocks[0].attn.qkv.parts[0].weight) is None
+    weights = mapped.parameters()
+    for name in types:
+        assert torch.equal(weights[name].float(), exact[name]), name
+    ids = torch.tensor([[1, 5, 9, 200, 7, 3, 11, 42] * 5])  # past the few-row kernels: the GEMMs
+    states = [lm.allocate_state(1, 64) for lm in (mapped, tiled)]
+    logits = [lm.forward(ids, state) for lm, state in zip((mapped, tiled), states)]
+    assert torch.equal(logits[0], logits[1])
+    token = int(logits[0][0, -1].argmax())
+    for _ in range(4):
+        steps = [lm.step([token], state) for lm, state in zip((mapped, tiled), states)]
+        assert torch.equal(steps[0], steps[1])
+        token = int(steps[0].argmax())
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], **by_name)

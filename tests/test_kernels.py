@@ -86,15 +86,19 @@ def test_matvec_bf16_gives_a_row_alone_its_bits_in_any_batch(n, k, tiled):
 @needs_kernels
 @pytest.mark.parametrize("m, n, k", [(40, 70, 100), (13, 33, 2050), (1, 8, 2), (530, 40, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_bf16_tiled_multiplies_the_tiles_as_stored(m, n, k, with_bias):
-    """Many rows (a prefill): every row block, column block (2050: two) and panel edge, and the weights themselves
-    (times the identity each output is one product: the weight's bits)."""
+def test_gemm_bf16_multiplies_the_weights_as_stored(m, n, k, with_bias):
+    """Many rows (a prefill) on the tiles (gemm_bf16_tiled) or the rows as they are (gemm_bf16_rows): every row
+    block, column block (2050: two; 100: a ragged last one) and panel edge, and the weights themselves (times the
+    identity each output is one product: the weight's bits); the two give the same bits."""
     x, w, b = randn(m, k), randn(n, k), randn(n) if with_bias else None
     weight = kernels.tile_int8(w)
     out = kernels.gemm_bf16_tiled(x, weight, n, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert_rounded_once(out, x.double() @ w.double().T + (0 if b is None else b.double()))
-    assert torch.equal(kernels.gemm_bf16_tiled(torch.eye(k, dtype=torch.bfloat16), weight, n, None).T, w)
+    assert torch.equal(kernels.gemm_bf16_rows(x, w, b), out)
+    identity = torch.eye(k, dtype=torch.bfloat16)
+    assert torch.equal(kernels.gemm_bf16_tiled(identity, weight, n, None).T, w)
+    assert torch.equal(kernels.gemm_bf16_rows(identity, w, None).T, w)
 
 
 @needs_kernels

@@ -14,7 +14,9 @@ head are float32. bf16 is the explicit fast-arithmetic choice: activations, embe
 
 gguf keeps a GGUF file's tensors as stored (CPU only): the blocks of every type in kernels.GGUF_TYPES (Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q2_K..Q6_K) grouped by tiles of rows, BF16 as bfloat16, F32 and F16 as float32 (widened exactly);
-any other type is refused at load (gguf.GGUFFile.check_as_stored). The embedding keeps its blocks too (the
+any other type is refused at load (gguf.GGUFFile.check_as_stored). A BF16 matrix stays in the file's pages (a
+read-only mapping, model.py's `mmap`) unless its rows need reordering (q and k) or the load asks for the kernels'
+tiles. The embedding keeps its blocks too (the
 looked-up rows are dequantized) and a tied head multiplies them. A fused projection whose parts differ in type
 computes each part as its type and concatenates. The arithmetic of the blocks, per profile:
   fp32: each weight dequantized exactly as gguf.quants.dequantize does (e.g. (d * sc) * q - dmin * m in float32),
@@ -72,9 +74,10 @@ GGUF_DENSE_BYTES = 4 << 20  # over GGUF_KERNEL_ROWS, the bytes of weights dequan
 # heap keeps a few freed pieces, which add to a prefill's peak: small ones, the GEMM as fast)
 INT4_KERNEL_ROWS = 16  # and PyTorch's int4 kernel (over them, the weights dequantized for one GEMM)
 MATVEC_ROWS = 8  # and lmstack's float32 and bfloat16 kernels beat F.linear
-# and the tiled kernels beat lmstack's GEMM on the tiles (kernels.gemm_for_prefill; 1.7B's shapes on an AMD EPYC:
-# bfloat16 at 16 rows 1.5-2x, at 32 1.1-1.4x, even at 64; float32 at 16 1.3x, even at 24-32)
-TILED_BESIDE_GEMM = {torch.bfloat16: 32, torch.float32: 24}
+# and the kernels on bfloat16 weights (tiled, or rows as they are) beat lmstack's GEMM on them
+# (kernels.gemm_for_prefill; 1.7B's shapes on an AMD EPYC, tiles: bfloat16 at 16 rows 1.5-2x, at 32 1.1-1.4x, even
+# at 64; float32 at 16 1.3x, even at 24-32)
+BF16_WEIGHTS_BESIDE_GEMM = {torch.bfloat16: 32, torch.float32: 24}
 
 
 def few_rows(x: torch.Tensor, rows: int, beside_gemm: dict) -> float:
@@ -292,10 +295,11 @@ class MatvecLinear(nn.Module):
     """A float32 or bfloat16 matrix: lmstack's kernels for a few rows (decode), F.linear for more (prefill). Under
     float32 activations bfloat16 weights are widened, exactly, and multiplied in float32. A bfloat16 matrix is
     stored tiled (kernels.tile_int8), which the kernels read faster, unless `tile` is False (a tied head, which
-    shares the embedding's memory); many rows then take kernels.gemm_bf16_tiled or gemm_f32_tiled (where
-    kernels.gemm_for_prefill), which read the tiles as stored: F.linear needs them untiled, a copy of every weight
-    per call. Under float32 activations an untiled matrix takes kernels.gemm_f32_rows there: MKL's float32 F.linear
-    ran at half its rate on an AMD EPYC."""
+    shares the embedding's memory; a GGUF's BF16 matrix in the file's mapping); many rows then take
+    kernels.gemm_bf16_tiled or gemm_f32_tiled (where kernels.gemm_for_prefill), which read the tiles as stored:
+    F.linear needs them untiled, a copy of every weight per call. An untiled matrix takes kernels.gemm_f32_rows
+    there (MKL's float32 F.linear ran at half its rate on an AMD EPYC) or, bfloat16 in bfloat16, gemm_bf16_rows
+    (oneDNN's F.linear, 0.95x of it on a 1.7B model's prefill)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, tile: bool = True):
         super().__init__()
@@ -320,7 +324,7 @@ class MatvecLinear(nn.Module):
     row_invariant = _KERNEL_ROW_INVARIANT
 
     def forward(self, x):
-        rows = few_rows(x, MATVEC_ROWS, TILED_BESIDE_GEMM if self.tiled else {})
+        rows = few_rows(x, MATVEC_ROWS, BF16_WEIGHTS_BESIDE_GEMM if self.weight.dtype == torch.bfloat16 else {})
         if self.kernel and (x.numel() <= rows * self.shape[1] or row_invariant_active()):
             if x.dtype == torch.float32:
                 if self.tiled:
@@ -336,6 +340,8 @@ class MatvecLinear(nn.Module):
                 return kernels.gemm_bf16_tiled(x, self.weight, self.shape[0], self.bias)
             if x.dtype == torch.float32 and not self.tiled:
                 return kernels.gemm_f32_rows(x, self.weight, self.bias)
+            if x.dtype == self.weight.dtype == torch.bfloat16 and not self.tiled and self.shape[1] % 2 == 0:
+                return kernels.gemm_bf16_rows(x, self.weight, self.bias)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:

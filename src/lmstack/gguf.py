@@ -14,8 +14,10 @@ converter permutes for its rotary layout are put back in Hugging Face's order.
 """
 
 import math
+import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,7 +213,7 @@ class GGUFHeader:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
-        self._fh = open(self.path, "rb", buffering=0)
+        self._fh, self._map = open(self.path, "rb", buffering=0), None
         try:
             self._parse()
         except BaseException:
@@ -394,6 +396,19 @@ class GGUFHeader:
             self._check_padding(tensor)
         return raw
 
+    def mapped(self, tensor: Tensor) -> torch.Tensor:
+        """A tensor's bytes (uint8) in a read-only mapping of the file, every bound checked when the file was
+        opened: the page cache's own pages, shared, never copied, as llama.cpp maps a file. A file cut short or
+        rewritten in place while a model holds its pages ends the process (SIGBUS) or changes the weights under
+        it; a file replaced by a rename does not."""
+        if self._map is None:
+            self._map = mmap.mmap(self._fd(), 0, access=mmap.ACCESS_READ)
+            self._map.madvise(mmap.MADV_WILLNEED)  # read ahead of the first pass where the file is not cached
+        self._check_padding(tensor)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # PyTorch's "not writable": weights are never written
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
+
     def _check_padding(self, tensor: Tensor):
         """The bytes between a tensor's data and the next tensor's are zeros, as every writer leaves them: a type or
         dims that give fewer bytes than the tensor's data holds would otherwise read part of it as something else."""
@@ -405,9 +420,10 @@ class GGUFHeader:
                                   f"is not zeros: its type or dims disagree with its data")
 
     def close(self):
+        """Close the file; the pages of a mapping stay with the tensors that view them."""
         if self._fh is not None:
             self._fh.close()
-        self._fh = None
+        self._fh = self._map = None
 
     def __enter__(self):
         return self
@@ -524,14 +540,26 @@ class GGUFFile(GGUFHeader):
                 values = torch.from_numpy(np.asarray(dequantize(raw, t.type), dtype=np.float32))
             rows[start:start + step].copy_(values)
 
-    def stored(self, name: str, rows: slice | None = None):
+    def mappable(self, name: str) -> bool:
+        """Whether stored(name, mapped=True) gives the file's own pages: a BF16 matrix whose rows are Hugging Face's
+        (not q or k, whose rows llama.cpp's converter permuted)."""
+        t = self._tensor(name)
+        return t.type == GGMLQuantizationType.BF16 and len(t.dims) == 2 and not self._permuted(name)
+
+    def stored(self, name: str, rows: slice | None = None, mapped: bool = False):
         """Tensor `name` as the file stores it, rows in Hugging Face's order: (ggml type id, (rows, bytes) uint8) for
         the block types lmstack multiplies as stored (BLOCK_TYPES), with every float16 scale finite; else an exact
-        tensor: BF16 as bfloat16, any other type as float32 (F16 widened, a 1-D block tensor dequantized). `rows`
-        reads only those rows: a large tensor is packed a chunk at a time."""
+        tensor: BF16 as bfloat16 (with `mapped`, in the file's mapping where mappable), any other type as float32
+        (F16 widened, a 1-D block tensor dequantized). `rows` reads only those rows: a large tensor is packed a
+        chunk at a time."""
         t = self._tensor(name)
         if t.type not in BLOCK_TYPES or len(t.dims) != 2:
-            weight = self._hf_rows(name, self._floats(t)) if t.type == GGMLQuantizationType.BF16 else self.read(name)
+            if mapped and self.mappable(name):
+                weight = self.mapped(t).view(torch.bfloat16).view(tuple(reversed(t.dims)))
+            elif t.type == GGMLQuantizationType.BF16:
+                weight = self._hf_rows(name, self._floats(t))
+            else:
+                weight = self.read(name)
             check_finite(weight, self.path, name)
             return weight
         kind = GGUF_TYPES[t.type.value]

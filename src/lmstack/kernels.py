@@ -162,6 +162,13 @@ def gemm_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.lmstack.gemm_f32_rows(x, weight, bias)
 
 
+def gemm_bf16_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for many rows of bfloat16 x and a bfloat16 weight as it is (a GGUF's BF16 matrix in the
+    file's mapping): gemm_bf16_tiled's GEMM, each panel of rows transposed into cache as it is read. K must be
+    even."""
+    return torch.ops.lmstack.gemm_bf16_rows(x, weight, bias)
+
+
 def matvec_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for a few rows of float32 x, weight float32 or bfloat16 (widened exactly), summed
     in float64 for float32 weights (each output the exact result rounded about once, more accurately than a

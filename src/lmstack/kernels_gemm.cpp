@@ -40,11 +40,11 @@ std::unique_ptr<T[], Free> aligned(int64_t n) {
   return std::unique_ptr<T[], Free>(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)));
 }
 
-// out[p * GEMM_PANEL + i] = the 32 bits of row i's columns 2p, 2p + 1 for 16 rows (row i at at[i]) and 32 columns:
-// a 16 x 16 transpose of 32-bit values
-inline void transpose_pairs(const uint16_t* const* at, uint32_t* out) {
+// out[p * GEMM_PANEL + i] = the 32 bits of row i's columns 2p, 2p + 1 for 16 rows (row i at at[i]; columns past
+// `mask` read as zeros) and 32 columns: a 16 x 16 transpose of 32-bit values
+inline void transpose_pairs(const uint16_t* const* at, __mmask32 mask, uint32_t* out) {
   __m512i v[16];
-  for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(at[i]);
+  for (int i = 0; i < 16; i++) v[i] = _mm512_maskz_loadu_epi16(mask, at[i]);
   lmstack::transpose16(v);
   for (int p = 0; p < 16; p++) _mm512_store_si512(out + p * GEMM_PANEL, v[p]);
 }
@@ -235,16 +235,20 @@ at::Tensor gemm_tiled(const at::Tensor& x, const at::Tensor& w, int64_t N, const
         if constexpr (F32)
           widened_columns(at, ~0u, out + (k - k0) * GEMM_PANEL + half);
         else
-          transpose_pairs(at, out + (k - k0) / 2 * GEMM_PANEL + half);
+          transpose_pairs(at, ~0u, out + (k - k0) / 2 * GEMM_PANEL + half);
       }
   });
 }
 
-// y = x @ w.T + bias for many rows of float32 x and an (N, K) float32 or bfloat16 (widened exactly) w as it is
-at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+// y = x @ w.T + bias for many rows of x and an (N, K) w as it is: float32 x (F32) with a float32 or bfloat16 w (widened
+// exactly), bfloat16 x with a bfloat16 w
+template <bool F32>
+at::Tensor gemm_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.size(1) == x.size(-1),
-              "gemm_f32_rows: w must be a contiguous float32 or bfloat16 CPU matrix of ", x.size(-1), " columns");
+                  (w.scalar_type() == at::kBFloat16 || (F32 && w.scalar_type() == at::kFloat)) &&
+                  w.size(1) == x.size(-1),
+              F32 ? "gemm_f32_rows: w must be a contiguous float32 or bfloat16" : "gemm_bf16_rows: w must be a "
+              "contiguous bfloat16", " CPU matrix of ", x.size(-1), " columns");
   const int64_t N = w.size(0), K = w.size(1);
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
@@ -254,13 +258,17 @@ at::Tensor gemm_f32_rows(const at::Tensor& x, const at::Tensor& w, const std::op
   }
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   static const uint16_t zeros[32] = {};
-  return lmstack::gemm_f32(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc, uint32_t* out) {
+  return (F32 ? lmstack::gemm_f32 : lmstack::gemm_bf16)(x, N, 32, bias, [&](int64_t n0, int64_t k0, int64_t kc,
+                                                                          uint32_t* out) {
     const uint16_t* at[16];
     for (int64_t k = k0; k < k0 + kc; k += 32) {
       const __mmask32 mask = K - k >= 32 ? ~0u : (__mmask32)((1u << (K - k)) - 1);
       for (int64_t half = 0; half < GEMM_PANEL; half += 16) {
         for (int64_t i = 0; i < 16; i++) at[i] = n0 + half + i < N ? wp + (n0 + half + i) * K + k : zeros;
-        widened_columns(at, mask, out + (k - k0) * GEMM_PANEL + half);
+        if constexpr (F32)
+          widened_columns(at, mask, out + (k - k0) * GEMM_PANEL + half);
+        else
+          transpose_pairs(at, mask, out + (k - k0) / 2 * GEMM_PANEL + half);
       }
     }
   });
@@ -301,6 +309,7 @@ at::Tensor gemm_f32_int8_tiled(const at::Tensor& x, const at::Tensor& w, const a
 TORCH_LIBRARY_FRAGMENT(lmstack, m) {
   m.def("gemm_bf16_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_tiled<false>);
   m.def("gemm_f32_tiled(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", gemm_tiled<true>);
-  m.def("gemm_f32_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_f32_rows);
+  m.def("gemm_f32_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_rows<true>);
+  m.def("gemm_bf16_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor", gemm_rows<false>);
   m.def("gemm_f32_int8_tiled(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", gemm_f32_int8_tiled);
 }

@@ -60,24 +60,35 @@ def release_freed_memory():
 PACK_CHUNK_BYTES = 2 << 20  # a GGUF tensor's bytes read and packed at a time
 
 
-def _as_stored(source: GGUFFile, name: str, k: int):
-    """A GGUF tensor as weight_format gguf keeps it: blocks, or an exact float32 or bfloat16 tensor."""
-    return _stored_parts(source, [name], k)[0]
+def _as_stored(source: GGUFFile, name: str, k: int, mapped: bool = False):
+    """A GGUF tensor as weight_format gguf keeps it: blocks, or an exact float32 or bfloat16 tensor (with `mapped`,
+    a BF16 one in the file's mapping where GGUFFile.mappable)."""
+    return _stored_parts(source, [name], k, mapped=mapped)[0]
 
 
-def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = False) -> list:
+def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = False, mapped: bool = False) -> list:
     """The parts of a fused projection as _as_stored keeps them, consecutive ones of one block type as one; with
-    bf16_tiles (a projection's, not the embedding's), BF16 ones read straight into one tiled MatvecLinear."""
+    bf16_tiles (a projection's, not the embedding's), BF16 ones read straight into one tiled MatvecLinear, or with
+    `mapped` too, where mappable, each an untiled MatvecLinear on the file's mapping."""
     groups = []  # [block type or None, names]
     for name in names:
         info = source.info(name)
-        qtype = _block_type(info, bf16_tiles)
+        qtype = _block_type(info, bf16_tiles and not (mapped and source.mappable(name)))
         if qtype is not None and groups and groups[-1][0] == qtype:
             groups[-1][1].append(name)
         else:
             groups.append((qtype, [name]))
-    return [_packed_blocks(source, group, qtype, k) if qtype is not None else source.stored(group[0])
-            for qtype, group in groups]
+    return [_packed_blocks(source, group, qtype, k) if qtype is not None else
+            _unpacked(source, group[0], bf16_tiles, mapped) for qtype, group in groups]
+
+
+def _unpacked(source: GGUFFile, name: str, projection: bool, mapped: bool):
+    """A part kept as an exact tensor (GGUFFile.stored); a projection's BF16 one in the file's mapping as an untiled
+    MatvecLinear, which GGUFLinear would otherwise tile (a copy)."""
+    weight = source.stored(name, mapped=mapped)
+    if projection and mapped and source.mappable(name):
+        return MatvecLinear(weight, None, torch.bfloat16, tile=False)
+    return weight
 
 
 def _packed_blocks(source: GGUFFile, names: list, qtype: int, k: int) -> GGUFBlocks | MatvecLinear:
@@ -109,14 +120,15 @@ def _packed(source, names: list, qtype: int, k: int) -> tuple[torch.Tensor, int]
     return packed, n
 
 
-def packed_bytes(source: GGUFFile, embed: str | None = None) -> int:
+def packed_bytes(source: GGUFFile, embed: str | None = None, mapped: bool = False) -> int:
     """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type, and each BF16 one
-    but the embedding `embed` (which lookups read untiled), as its tiles of rows (a fused projection's parts share
-    tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
-    infos = [source.info(name) for name in source.names()]
+    but the embedding `embed` (which lookups read untiled) and, with `mapped`, the mappable ones, as its tiles of
+    rows (a fused projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
+    tiled = {name: name != embed and not (mapped and source.mappable(name)) for name in source.names()}
+    infos = [source.info(name) for name in tiled]
     return sum(math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
-               for name, info in zip(source.names(), infos)
-               if (qtype := _block_type(info, bf16_tiles=name != embed)) is not None)
+               for (name, bf16_tiles), info in zip(tiled.items(), infos)
+               if (qtype := _block_type(info, bf16_tiles)) is not None)
 
 
 def _block_type(info, bf16_tiles: bool = False) -> int | None:
@@ -348,12 +360,15 @@ class CausalLM:
 
     @classmethod
     def load(cls, path, *, weight_format="float32", numeric_profile=None, max_positions=None, device="auto",
-             progress=None):
+             progress=None, mmap=True):
         """Load a Hugging Face checkpoint directory (or a .safetensors file beside its config.json), or a GGUF file
         (a path, or an open GGUFFile, which the load closes).
 
         `weight_format` is how projection matrices are stored, `numeric_profile` the arithmetic
         (see formats.py for the pairs). `progress(done, total)` is called after each tensor is read.
+        Under weight_format gguf, `mmap` keeps BF16 matrices in a read-only mapping of the file, the page cache's
+        pages shared, as llama.cpp does (GGUFFile.mapped): nothing copied, a start several times sooner; without
+        it they are copied into the kernels' tiles, which many rows a step (a server's batches) read faster.
         """
         if isinstance(path, GGUFFile) or is_gguf(path):  # an open GGUFFile spares parsing its metadata twice
             gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
@@ -365,11 +380,11 @@ class CausalLM:
         plan, model = plan_for(config), cls.__new__(cls)
         model._build(plan, open_source, weight_format=weight_format, numeric_profile=numeric_profile,
                      max_positions=max_positions, device=device, config=config,
-                     eos=eos_ids(config, directory, plan.vocab_size), progress=progress)
+                     eos=eos_ids(config, directory, plan.vocab_size), progress=progress, mapped=mmap)
         return model
 
     def _build(self, plan: ModelPlan, open_source, *, weight_format, numeric_profile, max_positions, device,
-               config=None, eos=(), progress=None):
+               config=None, eos=(), progress=None, mapped=False):
         """The one way a model is made: the arguments checked against the plan before the source of its
         weights is opened, the source's tensors before anything is allocated; then the weights read (and
         the source closed) a layer at a time."""
@@ -389,6 +404,7 @@ class CausalLM:
             _check_tensors(plan, source)
             self.plan, self.config, self.eos_ids = plan, config, tuple(eos)  # eos_ids: where generation may stop
             self.weight_format, self.vocab_size = weight_format, plan.vocab_size
+            self._mapped = mapped
             self.device = next(d for d in self.layer_devices if d.type != "meta")
             self.max_positions = plan.max_position_embeddings if max_positions is None else max_positions
             self._allocate(source)
@@ -508,7 +524,8 @@ class CausalLM:
         as stored; a tied head multiplies the embedding's own blocks."""
         plan, first, last = self.plan, self.layer_devices[0], self.layer_devices[-1]
         tied_here = plan.tie_embeddings and last.type != "meta"
-        embed = _as_stored(source, plan.embed_name, plan.d_model) if first.type != "meta" or tied_here else None
+        embed = _as_stored(source, plan.embed_name, plan.d_model, self._mapped) \
+            if first.type != "meta" or tied_here else None
         if first.type != "meta":
             self.embed = embed
             if isinstance(embed, GGUFBlocks):
@@ -517,7 +534,7 @@ class CausalLM:
                 self._weights[plan.embed_name] = embed
         if last.type != "meta":
             head = embed if plan.tie_embeddings else \
-                _stored_parts(source, [plan.head_name], plan.d_model, bf16_tiles=True)[0]
+                _stored_parts(source, [plan.head_name], plan.d_model, bf16_tiles=True, mapped=self._mapped)[0]
             self.head_projection = GGUFLinear([head], None, self.dtype, tile=not plan.tie_embeddings)
             if plan.head_name:
                 self._converted[plan.head_name] = (self.head_projection, None, "weight")
@@ -566,8 +583,9 @@ class CausalLM:
             owner = block.get_submodule(owner_path)
             linear = getattr(owner, attribute)
             if self.weight_format == "gguf":
-                stored = GGUFLinear(_stored_parts(source, [name for name, _ in self._parts(i, path)],
-                                                  linear.in_features, bf16_tiles=True), linear.bias, self.dtype)
+                parts = _stored_parts(source, [name for name, _ in self._parts(i, path)], linear.in_features,
+                                      bf16_tiles=True, mapped=self._mapped)
+                stored = GGUFLinear(parts, linear.bias, self.dtype)
             elif self._bfloat16_read():
                 stored = self._bfloat16_projection(source, i, path, linear)
             else:

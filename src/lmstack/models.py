@@ -114,7 +114,8 @@ def load(model: str | None, *, progress=None, model_class=CausalLM, **options):
         on_cpu = resolve_device(options.get("device", "auto")).type == "cpu"
         as_stored = options.get("weight_format") == "gguf" and on_cpu
         try:
-            kept = packed_bytes(source, embed=plan_for(source.config).embed_name) if as_stored else 0
+            kept = packed_bytes(source, embed=plan_for(source.config).embed_name, mapped=options.get("mmap", True)) \
+                if as_stored else 0
             memory.keep_prefaulted(kept)  # the command's (launch.py), if any
             tokenizer = Tokenizer.from_gguf(source)
             lm = model_class.load(source, progress=progress, **options)
