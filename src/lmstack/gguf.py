@@ -403,7 +403,8 @@ class GGUFHeader:
         it; a file replaced by a rename does not."""
         if self._map is None:
             self._map = mmap.mmap(self._fd(), 0, access=mmap.ACCESS_READ)
-            self._map.madvise(mmap.MADV_WILLNEED)  # read ahead of the first pass where the file is not cached
+            if hasattr(mmap, "MADV_WILLNEED"):  # read ahead of the first pass where the file is not cached
+                self._map.madvise(mmap.MADV_WILLNEED)
         self._check_padding(tensor)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # PyTorch's "not writable": weights are never written

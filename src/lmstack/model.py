@@ -124,11 +124,13 @@ def packed_bytes(source: GGUFFile, embed: str | None = None, mapped: bool = Fals
     """At least the bytes _packed_blocks takes for the file's tensors: each matrix of a block type, and each BF16 one
     but the embedding `embed` (which lookups read untiled) and, with `mapped`, the mappable ones, as its tiles of
     rows (a fused projection's parts share tiles, so take no more), 64 for alignment (memory.Prefault.take)."""
-    tiled = {name: name != embed and not (mapped and source.mappable(name)) for name in source.names()}
-    infos = [source.info(name) for name in tiled]
-    return sum(math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
-               for (name, bf16_tiles), info in zip(tiled.items(), infos)
-               if (qtype := _block_type(info, bf16_tiles)) is not None)
+    total = 0
+    for name in source.names():
+        info = source.info(name)
+        qtype = _block_type(info, bf16_tiles=name != embed and not (mapped and source.mappable(name)))
+        if qtype is not None:
+            total += math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
+    return total
 
 
 def _block_type(info, bf16_tiles: bool = False) -> int | None:
