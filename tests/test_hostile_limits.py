@@ -68,17 +68,19 @@ def test_non_finite_gguf_weight_is_refused_naming_file_and_tensor(tmp_path):
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F16],
                          ids=lambda q: q.name)
-@pytest.mark.parametrize("weight_format, profile", [("float32", None), ("gguf", None), ("gguf", "bf16")])
-def test_non_finite_gguf_float_weight_is_refused_naming_file_and_tensor(tmp_path, qtype, weight_format, profile):
-    """A BF16 or F16 matrix is read as it is stored (not through gguf's dequantize; under gguf and the bf16 profile
-    a BF16 one straight into tiles): the check still sees it."""
+@pytest.mark.parametrize("weight_format, profile, mmap", [("float32", None, True), ("gguf", None, True),
+                                                         ("gguf", "bf16", True), ("gguf", "bf16", False)])
+def test_non_finite_gguf_float_weight_is_refused_naming_file_and_tensor(tmp_path, qtype, weight_format, profile,
+                                                                        mmap):
+    """A BF16 or F16 matrix is read as it is stored (not through gguf's dequantize; under gguf a BF16 one left in
+    the file's mapping, or with mmap=False read straight into tiles): the check still sees it."""
     name = "model.layers.0.mlp.up_proj.weight"
     weights = tensors()
     weights[name][-1, -1] = math.nan
     path = tmp_path / "m.gguf"
     gguf_file(path, weights=weights, types={name: qtype})
     with pytest.raises(CheckpointError, match=rf"m\.gguf: tensor '{re.escape(name)}' holds non-finite"):
-        CausalLM.load(path, device="cpu", weight_format=weight_format, numeric_profile=profile)
+        CausalLM.load(path, device="cpu", weight_format=weight_format, numeric_profile=profile, mmap=mmap)
 
 
 def test_finite_weights_load_exactly(tmp_path):
