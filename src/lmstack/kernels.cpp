@@ -31,7 +31,7 @@ using lmstack::Prefetch;
 using lmstack::check_tiled;
 using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
-constexpr int64_t BF16_AHEAD = 4096;       // bytes of a bfloat16 tile stream prefetched ahead (dot_bf16_tile)
+constexpr int64_t BF16_AHEAD = 4096;       // bytes of a bfloat16 stream prefetched ahead (dot_bf16_tile, dot_bf16)
 
 inline __m512 bf16_to_float(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
@@ -62,25 +62,26 @@ inline void store_sums(const __m512* acc, float* out) {
     for (int r = 0; r < ROWS; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// dot products of one bf16 row x with ROWS bf16 rows of w (row stride K), prefetching the next ROWS rows
-// in address order: read row-wise, rows of a thousand bytes leave the hardware prefetcher behind
+// dot products of one bf16 row x with ROWS bf16 rows of w (row stride K), a row at a time: rows as they are stored
+// are then one sequential stream, prefetched BF16_AHEAD bytes ahead as dot_bf16_tile prefetches the tiles, and read
+// as fast (the whole 1.7B model's matvecs, two threads on an AMD EPYC: 1.12x faster than ROWS rows side by side with
+// the next ROWS prefetched, as fast as the tiles)
 template <int ROWS>
 __attribute__((always_inline)) inline void dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
   __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  const char* next_tile = (const char*)(w + ROWS * K);  // contiguous: fetched in order, ROWS lines a step
-  for (; k + 32 <= K; k += 32, next_tile += ROWS * 64) {
-    if constexpr (ROWS > 1)
-      for (int r = 0; r < ROWS; r++) _mm_prefetch(next_tile + r * 64, _MM_HINT_T0);
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
-  }
-  if (k < K) {
-    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
-    for (int r = 0; r < ROWS; r++)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+  for (int r = 0; r < ROWS; r++) {
+    const uint16_t* row = w + r * K;
+    acc[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      _mm_prefetch((const char*)(row + k) + BF16_AHEAD, _MM_HINT_T0);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
+    }
+    if (k < K) {
+      const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, row + k),
+                                (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+    }
   }
   store_sums<ROWS>(acc, out);
 }
@@ -293,30 +294,34 @@ __attribute__((always_inline)) inline void dot_f64(const double* x, const float*
 // dot products of one float32 row x with ROWS bfloat16 rows of w, the weights widened exactly to float32 and
 // summed in float32 (the float64 sum of dot_f64 would make this compute-bound); two accumulators per row. TILED:
 // w is one tile of tile_int8's (blocks of ROWS x 32, zero-padded), one stream prefetched BF16_AHEAD bytes ahead, as
-// dot_bf16_tile reads it; else rows of stride K, the next ROWS rows prefetched
+// dot_bf16_tile reads it; else rows of stride K, a row at a time, as dot_bf16 reads them
 template <int ROWS, bool TILED = false>
 __attribute__((always_inline)) inline void dot_bf16_f32(const float* x, const uint16_t* w, int64_t K, float* out) {
   const auto at = [&](int r, int64_t k) { return TILED ? w + k / 32 * ROWS * 32 + r * 32 + k % 32 : w + r * K + k; };
   __m512 even[ROWS], odd[ROWS];
   for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
-  // ROWS lines a step: BF16_AHEAD bytes down the tiles' stream, or the next ROWS rows from their start
-  const char* ahead = TILED ? (const char*)w + BF16_AHEAD : (const char*)(w + ROWS * K);
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32, ahead += ROWS * 64) {
-    if constexpr (TILED || ROWS > 1)
-      for (int line = 0; line < ROWS; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-    for (int r = 0; r < ROWS; r++) {
-      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k))), x0, even[r]);
-      odd[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k + 16))), x1, odd[r]);
+  // blocks of 32 columns: a tile's, all ROWS rows at each (r0 = 0, r1 = ROWS), or a row's, one row after another
+  const auto blocks = [&](int r0, int r1, const char* ahead) {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32, ahead += (r1 - r0) * 64) {
+      for (int line = 0; line < r1 - r0; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+      for (int r = r0; r < r1; r++) {
+        even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k))), x0, even[r]);
+        odd[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_loadu_si256((const __m256i*)at(r, k + 16))), x1, odd[r]);
+      }
     }
-  }
-  for (; k < K; k += 16) {
-    const __mmask16 m = first(K - k);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < ROWS; r++)
-      even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, at(r, k))), xv, even[r]);
-  }
+    for (; k < K; k += 16) {
+      const __mmask16 m = first(K - k);
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+      for (int r = r0; r < r1; r++)
+        even[r] = _mm512_fmadd_ps(bf16_to_float(_mm256_maskz_loadu_epi16(m, at(r, k))), xv, even[r]);
+    }
+  };
+  if constexpr (TILED)
+    blocks(0, ROWS, (const char*)w + BF16_AHEAD);
+  else
+    for (int r = 0; r < ROWS; r++) blocks(r, r + 1, (const char*)at(r, 0) + BF16_AHEAD);
   for (int r = 0; r < ROWS; r++) even[r] = _mm512_add_ps(even[r], odd[r]);
   store_sums<ROWS>(even, out);
 }
