@@ -121,6 +121,24 @@ def test_info_shows_each_gguf_tensor_type_with_its_bytes_and_the_cost_of_dequant
     assert code == 0 and f"loaded as gguf: {loaded / 1024:.1f} KiB" in " ".join(out.split()), out
 
 
+def test_info_says_which_bf16_matrices_stay_in_the_files_pages(tiny_checkpoint, tmp_path):
+    """A BF16 GGUF's matrices are mapped from the file, but q and k (their rows permuted by llama.cpp's converter),
+    which are copied: info gives the mapped bytes, as gguf's own reading of each tensor's size adds them up."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    _, reference = tiny_checkpoint("llama")
+    types = {name: Q.BF16 for name, t in reference.state_dict().items() if t.dim() == 2}
+    write_gguf(tmp_path / "m.gguf", reference, tensor_types=types)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    mapped = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == Q.BF16
+                 and not t.name.endswith(("attn_q.weight", "attn_k.weight")))
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    code, out, err = lmstack("info", str(tmp_path / "m.gguf"))
+    assert code == 0 and (f"loaded as gguf: {stored / 1024:.1f} KiB, every tensor as stored; {mapped / 1024:.1f} KiB "
+                          f"of BF16 mapped from the file") in " ".join(out.split()), out
+
+
 @pytest.mark.parametrize("args,message", [
     (("generate", "hi", "--model", "/no/such/model"), "/no/such/model: no such checkpoint directory or file"),
     (("generate", "hi", "--temperature", "-1"), "temperature must be a number >= 0"),

@@ -493,6 +493,7 @@ def _info(args):
         nbytes = {name: source.nbytes(name) if kind == "GGUF" else math.prod(info.shape) * DTYPES[info.dtype][1]
                   for name, info in infos.items()}
         loaded = {name: _gguf_bytes(source, name) for name in infos} if weight_format == "gguf" else None
+        mapped = sum(nbytes[name] for name in infos if source.mappable(name)) if loaded is not None else 0
         unused = sorted(set(source.names()) - set(used))
     stored, params = sum(nbytes.values()), sum(math.prod(info.shape) for info in infos.values())
     per_token = ""
@@ -526,7 +527,7 @@ def _info(args):
         ("weights", f"{params / 1e6:.1f}M parameters, {_size(stored)} stored; "
                     f"{_size(params * 4)} as float32, {_size(params * 2)} as bfloat16{per_token}"),
         ("types", types),
-        ("loaded", _storage_cost(weight_format, infos, nbytes, loaded, params)),
+        ("loaded", _storage_cost(weight_format, infos, nbytes, loaded, params, mapped)),
         ("unused", ", ".join(unused) if unused else "none"),
     ]
     width = max(40, shutil.get_terminal_size().columns)
@@ -535,18 +536,21 @@ def _info(args):
                             break_on_hyphens=False).replace(NO_BREAK, " "))
 
 
-def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | None, params: int) -> str:
-    """What the weights take once loaded as weight_format, beside the bytes the checkpoint holds."""
+def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | None, params: int,
+                  mapped: int = 0) -> str:
+    """What the weights take once loaded as weight_format, beside the bytes the checkpoint holds; `mapped`: the
+    bytes of them a gguf load leaves in the file's pages (GGUFFile.mappable)."""
     stored = sum(nbytes.values())
     if loaded is not None:  # gguf: each tensor as stored, or widened to float32
         widened = Counter()
         for name, n in loaded.items():
             if n != nbytes[name]:
                 widened[infos[name].dtype] += n - nbytes[name]
+        in_file = f"; {_size(mapped)} of BF16 mapped from the file" if mapped else ""
         if not widened:
-            return f"as gguf: {_size(stored)}, every tensor as stored"
+            return f"as gguf: {_size(stored)}, every tensor as stored{in_file}"
         return (f"as gguf: {_size(sum(loaded.values()))}; {', '.join(widened)} dequantized to float32 "
-                f"({_size(sum(widened.values()))} more than stored)")
+                f"({_size(sum(widened.values()))} more than stored){in_file}")
     if weight_format not in ("float32", "bfloat16"):
         return f"as {weight_format}: the projection matrices quantized on load"
     size = 4 if weight_format == "float32" else 2
