@@ -121,6 +121,24 @@ def test_info_shows_each_gguf_tensor_type_with_its_bytes_and_the_cost_of_dequant
     assert code == 0 and f"loaded as gguf: {loaded / 1024:.1f} KiB" in " ".join(out.split()), out
 
 
+def test_mmap_flags_choose_where_a_gguf_s_bf16_matrices_live(tiny_checkpoint, tmp_path):
+    """generate (chat, perplexity) maps a GGUF's BF16 matrices unless --no-mmap; serve copies them into tiles unless
+    --mmap: a mapped part is an untiled MatvecLinear (test_gguf_blocks checks it views the file's pages)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from lmstack import cli
+
+    _, reference = tiny_checkpoint("llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, reference, tensor_types={name: Q.BF16 for name, t in reference.state_dict().items()
+                                              if t.dim() == 2})
+    for argv, mapped in ((["generate", "hi"], True), (["generate", "hi", "--no-mmap"], False),
+                         (["chat", "--mmap"], True), (["serve"], False), (["serve", "--mmap"], True)):
+        args = cli._parser().parse_args([*argv, "--model", str(path), "--weight-format", "gguf", "-q"])
+        lm, _ = cli._load(args)
+        assert [p.tiled for p in lm.blocks[0].mlp.gate_up.parts] == ([False, False] if mapped else [True]), argv
+
+
 def test_info_says_which_bf16_matrices_stay_in_the_files_pages(tiny_checkpoint, tmp_path):
     """A BF16 GGUF's matrices are mapped from the file, but q and k (their rows permuted by llama.cpp's converter),
     which are copied: info gives the mapped bytes, as gguf's own reading of each tensor's size adds them up."""

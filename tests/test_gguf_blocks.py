@@ -381,6 +381,25 @@ def test_bf16_matrices_stay_in_the_files_pages(tiny_checkpoint, tmp_path, profil
         token = int(steps[0].argmax())
 
 
+def test_a_file_that_cannot_be_mapped_is_named_with_the_way_around(tiny_checkpoint, tmp_path, monkeypatch):
+    """Where the file's filesystem cannot map it, the load says so, naming the file and mmap=False, which reads the
+    BF16 matrices into memory instead (and maps no file: anonymous memory only)."""
+    import mmap
+
+    path = tiny_gguf(tiny_checkpoint, tmp_path, "llama_tied_gqa", qtype=Q.Q8_0, tensor_types=BF16_PARTS)
+    anonymous = mmap.mmap
+
+    def files_unmappable(fileno, *args, **kwargs):
+        if fileno != -1:
+            raise OSError(19, "No such device")
+        return anonymous(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", files_unmappable)
+    with pytest.raises(OSError, match=rf"{path.name} cannot be mapped \(No such device\): load it with mmap=False"):
+        CausalLM.load(path, weight_format="gguf", device="cpu")
+    CausalLM.load(path, weight_format="gguf", device="cpu", mmap=False)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], **by_name)
 def test_weights_packed_a_row_at_a_time_are_the_weights_packed_whole(tiny_checkpoint, tmp_path, qtype, monkeypatch):
     """q and k (whose rows llama.cpp permuted within each head) read by slices that cut heads are the slices of the

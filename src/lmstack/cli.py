@@ -129,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--numeric-profile", default=None, choices=sorted(NUMERIC_PROFILES),
                        help="the arithmetic (default: fp32 for every format; bf16: faster, see formats.py)")
         p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, gpu, cuda:N")
+        p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep a GGUF's BF16 matrices in the file's pages, mapped (the default but for serve), or "
+                            "copy them into memory in the kernels' tiles (serve's default: its batches read them "
+                            "faster)")
 
     def model_options(p, max_new_tokens):
         p.add_argument("--model", "-m", default=None,
@@ -297,9 +301,10 @@ class _Progress:
             self.bar.close()
 
 
-def _load(args, mmap: bool = True):
-    """(model, tokenizer) as the command's flags ask; `mmap`: CausalLM.load's (the server copies BF16 matrices into
-    the kernels' tiles, which its batches of rows read faster)."""
+def _load(args):
+    """(model, tokenizer) as the command's flags ask; a GGUF's BF16 matrices mapped (CausalLM.load's mmap) unless
+    --no-mmap, or for serve unless --mmap (the server copies them into the kernels' tiles, which its batches of rows
+    read faster)."""
     if hasattr(args, "temperature"):
         try:
             Sampler(**_sampling(args))  # refuse bad sampling flags before the load
@@ -312,7 +317,8 @@ def _load(args, mmap: bool = True):
     with memory.collector_paused():
         lm, tokenizer = models.load(args.model, weight_format=args.weight_format, numeric_profile=args.numeric_profile,
                                     device=args.device, progress=_Progress(args.quiet, "loading"),
-                                    model_class=model_class, mmap=mmap)
+                                    model_class=model_class,
+                                    mmap=args.run is not _serve if args.mmap is None else args.mmap)
     if args.verbose:
         runs_on = f"; lmstack's CPU kernels {'on' if kernels.available() else 'off'}" if lm.device.type == "cpu" else ""
         print(f"[{lm!r} loaded in {time.perf_counter() - start:.1f} s{runs_on}]", file=sys.stderr)
@@ -457,7 +463,7 @@ def _serve(args):
                       max_waiting=args.max_waiting, cors_origins=args.cors_origins,
                       allow_special_in_messages=args.allow_special_in_messages, send_buffer=args.send_buffer,
                       send_timeout=args.send_timeout, tool_call_parser=args.tool_call_parser)
-    serve(lambda: _load(args, mmap=False), service, host=args.host, port=args.port,
+    serve(lambda: _load(args), service, host=args.host, port=args.port,
           engine_options=dict(max_running=args.max_running, kv_cache_memory=args.kv_cache_memory,
                               max_prefill_tokens=args.max_prefill_tokens, short_slots=args.short_slots,
                               short_tokens=args.short_tokens))

@@ -402,7 +402,11 @@ class GGUFHeader:
         rewritten in place while a model holds its pages ends the process (SIGBUS) or changes the weights under
         it; a file replaced by a rename does not."""
         if self._map is None:
-            self._map = mmap.mmap(self._fd(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(self._fd(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.path} cannot be mapped ({e.strerror}): load it with mmap=False "
+                                       f"(lmstack: --no-mmap) to read its BF16 matrices into memory") from None
             if hasattr(mmap, "MADV_WILLNEED"):  # read ahead of the first pass where the file is not cached
                 self._map.madvise(mmap.MADV_WILLNEED)
         self._check_padding(tensor)
