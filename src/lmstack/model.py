@@ -73,7 +73,7 @@ def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = Fals
     groups = []  # [block type or None, names]
     for name in names:
         info = source.info(name)
-        qtype = _block_type(info, bf16_tiles and not (mapped and source.mappable(name)))
+        qtype = _block_type(info, bf16_tiles and not _in_file(source, name, mapped))
         if qtype is not None and groups and groups[-1][0] == qtype:
             groups[-1][1].append(name)
         else:
@@ -82,11 +82,16 @@ def _stored_parts(source: GGUFFile, names: list, k: int, bf16_tiles: bool = Fals
             _unpacked(source, group[0], bf16_tiles, mapped) for qtype, group in groups]
 
 
+def _in_file(source: GGUFFile, name: str, mapped: bool) -> bool:
+    """Whether tensor `name` stays in the file's mapping: a load with `mapped`, a matrix GGUFFile.mappable."""
+    return mapped and source.mappable(name)
+
+
 def _unpacked(source: GGUFFile, name: str, projection: bool, mapped: bool):
     """A part kept as an exact tensor (GGUFFile.stored); a projection's BF16 one in the file's mapping as an untiled
     MatvecLinear, which GGUFLinear would otherwise tile (a copy)."""
     weight = source.stored(name, mapped=mapped)
-    if projection and mapped and source.mappable(name):
+    if projection and _in_file(source, name, mapped):
         return MatvecLinear(weight, None, torch.bfloat16, tile=False)
     return weight
 
@@ -127,7 +132,7 @@ def packed_bytes(source: GGUFFile, embed: str | None = None, mapped: bool = Fals
     total = 0
     for name in source.names():
         info = source.info(name)
-        qtype = _block_type(info, bf16_tiles=name != embed and not (mapped and source.mappable(name)))
+        qtype = _block_type(info, bf16_tiles=name != embed and not _in_file(source, name, mapped))
         if qtype is not None:
             total += math.prod(kernels.packed_shape(qtype, *info.shape)) + 64
     return total
