@@ -1,18 +1,20 @@
 """`lmstack serve` over HTTP against llama.cpp's `llama-server` on the same weights, in one run.
 
 Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens (greedy,
-`ignore_eos`, a different short prompt each) back to back; it reports the aggregate completion tokens/s over the
-level's wall time and the p50/p95 of a request's latency (sent to last token) and of its time to first token, and
-the server process's CPU time per completion token (user + system, all its threads; with `--threads 1` it stays
-meaningful on a loaded machine, where wall times are not and where llama.cpp's spinning threads make its 2-thread
-CPU time balloon). The servers take turns level by level (the first to go alternates), so each ratio compares runs
-seconds apart on the same machine. The "newcomer" row is the time to first token of a short request sent while 15
-other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in
-this process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts, one
-plain and one with a `json_schema` response_format (a long string field, so every request still makes `--tokens`
-tokens): constrained decoding's cost at each level is their tokens/s ratio. Greedy, those masks are lazy (a mask
-only where the unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every
-step's mask (decoding.py), so the ratio is that path's.
+`ignore_eos`, a different short prompt each) back to back, after a warm-up of one request per client of the largest
+level on each server (the KV memory that level needs is then touched: llama-server clears its whole cache at start,
+lmstack's pool takes pages as it first needs them, a fault each on a fresh page); it reports the aggregate completion
+tokens/s over the level's wall time and the p50/p95 of a request's latency (sent to last token) and of its time to
+first token, and the server process's CPU time per completion token (user + system, all its threads; with
+`--threads 1` it stays meaningful on a loaded machine, where wall times are not and where llama.cpp's spinning threads
+make its 2-thread CPU time balloon). The servers take turns level by level (the first to go alternates), so each ratio
+compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short request sent
+while 15 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's
+Engine in this process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts,
+one plain and one with a `json_schema` response_format (a long string field, so every request still makes `--tokens`
+tokens): constrained decoding's cost at each level is their tokens/s ratio. Greedy, those masks are lazy (a mask only
+where the unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every step's
+mask (decoding.py), so the ratio is that path's.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16
 (bench/ggufs.py's cached file), `--threads` threads and one slot per client of the largest level; lmstack as many
@@ -308,8 +310,8 @@ def main():
             if args.engine:
                 engine, tokenizer = in_process_engine(args)
                 runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
-            for one in runs.values():  # warm up: kernels compiled, caches touched
-                level(one, 2, 1)
+            for one in runs.values():  # warm up: kernels compiled, and the KV memory of the largest level touched,
+                level(one, max(args.clients), 1)  # as llama-server touches its whole cache at start
             rows, order = {}, list(runs)
             pids = {name: process.pid for name, (process, _) in servers.items()}
             pids.update({name: pids["lmstack"] for name in runs if name.startswith("lmstack chat")})
