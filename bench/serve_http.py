@@ -1,20 +1,20 @@
 """`lmstack serve` over HTTP against llama.cpp's `llama-server` on the same weights, in one run.
 
 Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens (greedy,
-`ignore_eos`, a different short prompt each) back to back, after a warm-up of one request per client of the largest
-level on each server (the KV memory that level needs is then touched: llama-server clears its whole cache at start,
-lmstack's pool takes pages as it first needs them, a fault each on a fresh page); it reports the aggregate completion
-tokens/s over the level's wall time and the p50/p95 of a request's latency (sent to last token) and of its time to
-first token, and the server process's CPU time per completion token (user + system, all its threads; with
-`--threads 1` it stays meaningful on a loaded machine, where wall times are not and where llama.cpp's spinning threads
-make its 2-thread CPU time balloon). The servers take turns level by level (the first to go alternates), so each ratio
-compares runs seconds apart on the same machine. The "newcomer" row is the time to first token of a short request sent
-while 15 other streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's
-Engine in this process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts,
-one plain and one with a `json_schema` response_format (a long string field, so every request still makes `--tokens`
-tokens): constrained decoding's cost at each level is their tokens/s ratio. Greedy, those masks are lazy (a mask only
-where the unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every step's
-mask (decoding.py), so the ratio is that path's.
+`ignore_eos`, a short prompt each, none sent twice in a run: a prompt cache would answer it at once) back to back,
+after a warm-up of one request per client of the largest level on each server, on prompts of its own (the KV memory
+that level needs is then touched: llama-server clears its whole cache at start, lmstack's pool takes pages as it first
+needs them, a fault each on a fresh page); it reports the aggregate completion tokens/s over the level's wall time and
+the p50/p95 of a request's latency (sent to last token) and of its time to first token, and the server process's CPU
+time per completion token (user + system, all its threads; with `--threads 1` it stays meaningful on a loaded machine,
+where wall times are not and where llama.cpp's spinning threads make its 2-thread CPU time balloon). The servers take
+turns level by level (the first to go alternates), so each ratio compares runs seconds apart on the same machine. The
+"newcomer" row is the time to first token of a short request sent while 15 other streams run (`--probes` of them, one
+after another). `--engine` adds the same requests on lmstack's Engine in this process, without HTTP. `--constrained`
+adds two lmstack rows of chat requests with the same prompts, one plain and one with a `json_schema` response_format
+(a long string field, so every request still makes `--tokens` tokens): constrained decoding's cost at each level is
+their tokens/s ratio. Greedy, those masks are lazy (a mask only where the unmasked choice is refused); `--logprobs`
+makes both chat rows ask for logprobs, which needs every step's mask (decoding.py), so the ratio is that path's.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16
 (bench/ggufs.py's cached file), `--threads` threads and one slot per client of the largest level; lmstack as many
@@ -46,6 +46,15 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a dr
           "two rival chess players", "a river that flows uphill", "a forgotten library", "a storm at sea",
           "a talking cat", "an old clockmaker", "the last train home", "a garden on the moon",
           "a detective in Venice", "a mountain village", "a space station cook", "a haunted piano"]
+OPENINGS = ["Once upon a time, there was", "Long ago there lived", "In a faraway land lived", "This is the story of",
+            "Everyone in town knew", "The old book tells of", "At the edge of the map lived",
+            "Sailors still talk about", "My grandmother once met", "The newspaper wrote about"]
+
+
+def prompt(n: int) -> str:
+    """The n-th prompt: every topic after one opening, then after the next, so that a run's requests do not repeat
+    a prompt (a prompt cache would answer it at once); the warm-up takes the last opening (negative n)."""
+    return f"{OPENINGS[n // len(TOPICS) % len(OPENINGS)]} {TOPICS[n % len(TOPICS)]} who"
 
 
 def free_port() -> int:
@@ -132,16 +141,15 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def level(one, clients: int, requests: int, pid: int | None = None) -> dict:
-    """`clients` threads, each making `requests` requests one after another with one(prompt); pid: the server's
-    process, whose CPU time per token is measured."""
+def level(one, clients: int, requests: int, pid: int | None = None, first: int = 0) -> dict:
+    """`clients` threads, each making `requests` requests one after another with one(prompt), client i's k-th
+    prompt(first + k * clients + i); pid: the server's process, whose CPU time per token is measured."""
     results, errors = [], []
 
     def client(i):
         try:
             for k in range(requests):
-                topic = TOPICS[(i + k * clients) % len(TOPICS)]
-                results.append(one(f"Once upon a time, there was {topic} who"))
+                results.append(one(prompt(first + k * clients + i)))
         except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
@@ -310,18 +318,20 @@ def main():
             if args.engine:
                 engine, tokenizer = in_process_engine(args)
                 runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
-            for one in runs.values():  # warm up: kernels compiled, and the KV memory of the largest level touched,
-                level(one, max(args.clients), 1)  # as llama-server touches its whole cache at start
+            for one in runs.values():  # warm up: kernels compiled, and the KV memory of the largest level touched
+                level(one, max(args.clients), 1, first=-max(args.clients))
             rows, order = {}, list(runs)
             pids = {name: process.pid for name, (process, _) in servers.items()}
             pids.update({name: pids["lmstack"] for name in runs if name.startswith("lmstack chat")})
+            first = 0  # each level's prompts new to both servers, the same for both
             for clients in args.clients:
                 for name in order:
-                    rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name))
+                    rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name), first)
                     r = rows[clients, name]
                     print(f"  {clients:>2} clients, {name}: {r['rate']:.1f} tok/s, {r['tokens']:.1f} tokens a request "
                           f"(load {load()})", flush=True)
                 order.reverse()
+                first += clients * args.requests
             if args.probes:
                 busy = max(args.clients) - 1
                 for name in order:
