@@ -1,20 +1,21 @@
 """`lmstack serve` over HTTP against llama.cpp's `llama-server` on the same weights, in one run.
 
 Each level runs N concurrent clients, each streaming `--requests` completions of exactly `--tokens` tokens (greedy,
-`ignore_eos`, a short prompt each, none sent twice in a run: a prompt cache would answer it at once) back to back,
-after a warm-up of one request per client of the largest level on each server, on prompts of its own (the KV memory
-that level needs is then touched: llama-server clears its whole cache at start, lmstack's pool takes pages as it first
-needs them, a fault each on a fresh page); it reports the aggregate completion tokens/s over the level's wall time and
-the p50/p95 of a request's latency (sent to last token) and of its time to first token, and the server process's CPU
-time per completion token (user + system, all its threads; with `--threads 1` it stays meaningful on a loaded machine,
-where wall times are not and where llama.cpp's spinning threads make its 2-thread CPU time balloon). The servers take
-turns level by level (the first to go alternates), so each ratio compares runs seconds apart on the same machine. The
-"newcomer" row is the time to first token of a short request sent while 15 other streams run (`--probes` of them, one
-after another). `--engine` adds the same requests on lmstack's Engine in this process, without HTTP. `--constrained`
-adds two lmstack rows of chat requests with the same prompts, one plain and one with a `json_schema` response_format
-(a long string field, so every request still makes `--tokens` tokens): constrained decoding's cost at each level is
-their tokens/s ratio. Greedy, those masks are lazy (a mask only where the unmasked choice is refused); `--logprobs`
-makes both chat rows ask for logprobs, which needs every step's mask (decoding.py), so the ratio is that path's.
+`ignore_eos`, a short prompt each, none that an earlier level or warm-up sent: a prompt cache would answer it at once)
+back to back, after a warm-up of one request per client of the largest level on each server, on prompts of its own
+(the KV memory that level needs is then touched: llama-server clears its whole cache at start, lmstack's pool takes
+pages as it first needs them, a fault each on a fresh page); it reports the aggregate completion tokens/s over the
+level's wall time and the p50/p95 of a request's latency (sent to last token) and of its time to first token, and the
+server process's CPU time per completion token (user + system, all its threads; with `--threads 1` it stays meaningful
+on a loaded machine, where wall times are not and where llama.cpp's spinning threads make its 2-thread CPU time
+balloon). The servers take turns level by level (the first to go alternates), so each ratio compares runs seconds
+apart on the same machine. The "newcomer" row is the time to first token of a short request sent while 15 other
+streams run (`--probes` of them, one after another). `--engine` adds the same requests on lmstack's Engine in this
+process, without HTTP. `--constrained` adds two lmstack rows of chat requests with the same prompts, one plain and one
+with a `json_schema` response_format (a long string field, so every request still makes `--tokens` tokens):
+constrained decoding's cost at each level is their tokens/s ratio. Greedy, those masks are lazy (a mask only where the
+unmasked choice is refused); `--logprobs` makes both chat rows ask for logprobs, which needs every step's mask
+(decoding.py), so the ratio is that path's.
 
 llama-server (`--llama-server PATH`, or `llama-server` on PATH) gets the model's weights in BF16
 (bench/ggufs.py's cached file), `--threads` threads and one slot per client of the largest level; lmstack as many
@@ -52,8 +53,9 @@ OPENINGS = ["Once upon a time, there was", "Long ago there lived", "In a faraway
 
 
 def prompt(n: int) -> str:
-    """The n-th prompt: every topic after one opening, then after the next, so that a run's requests do not repeat
-    a prompt (a prompt cache would answer it at once); the warm-up takes the last opening (negative n)."""
+    """The n-th of 160 prompts: every topic after one opening, then after the next, so that the levels' requests
+    do not repeat one (a prompt cache would answer it at once) until 160 have gone; the warm-up counts back from the
+    last (negative n)."""
     return f"{OPENINGS[n // len(TOPICS) % len(OPENINGS)]} {TOPICS[n % len(TOPICS)]} who"
 
 
