@@ -188,6 +188,12 @@ def test_bad_flags_exit_2_with_usage_and_no_traceback(args):
     assert "error:" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_max_tokens_is_max_new_tokens_under_mlx_lm_s_name(command):
+    for flag in ("--max-new-tokens", "--max-tokens", "-n"):
+        assert cli._parser().parse_args([command, flag, "7"]).max_new_tokens == 7
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
     import importlib.util
 

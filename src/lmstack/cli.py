@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--model", "-m", default=None,
                        help="checkpoint directory, .safetensors or .gguf file, or a name (default: smollm2)")
         weight_options(p)
-        p.add_argument("--max-new-tokens", "-n", type=_positive, default=max_new_tokens)
+        p.add_argument("--max-new-tokens", "--max-tokens", "-n", type=_positive, default=max_new_tokens,
+                       help="--max-tokens: mlx-lm's and the OpenAI API's name for it")
         p.add_argument("--temperature", "-t", type=float, default=0.0, help="0: greedy (the default)")
         p.add_argument("--top-k", type=int, default=0, help="0: off")
         p.add_argument("--top-p", type=float, default=1.0)
