@@ -188,6 +188,12 @@ def test_bad_flags_exit_2_with_usage_and_no_traceback(args):
     assert "error:" in err and "Traceback" not in err
 
 
+def test_an_unknown_flag_is_told_with_its_command_s_usage():
+    code, _, err = lmstack("generate", "--bogus", "--max-new-tokens", "3")
+    assert code == 2 and err.startswith("usage: lmstack generate ") and "--max-new-tokens" in err
+    assert err.splitlines()[-1] == "lmstack generate: error: unrecognized arguments: --bogus"
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_max_tokens_is_max_new_tokens_under_mlx_lm_s_name(command):
     for flag in ("--max-new-tokens", "--max-tokens", "-n"):

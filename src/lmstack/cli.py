@@ -35,7 +35,9 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:  # told with the command's own usage (argparse's top level would show only "COMMAND ...")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if argv is None:  # the command itself, not a caller in its own process
         _drop_native_panic_messages()
     try:
@@ -227,6 +229,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-format", default=None, choices=sorted(WEIGHT_FORMATS),
                    help="the storage to tell the cost of (default: the one generate would choose on this machine)")
     p.set_defaults(run=_info)
+    for p in commands.choices.values():
+        p.set_defaults(command_parser=p)
     return parser
 
 
