@@ -15,8 +15,9 @@ greedy steps after the first token; prefill the tokens/s of a prompt's forward. 
 noisy: only the ratios of one run mean anything, and the load average is printed with them.
 
 llama.cpp is llama-cpp-python (which pins its own llama.cpp) and, with `--llama-bench PATH` (or `llama-bench` on
-PATH), the decode tok/s of llama.cpp's own `llama-bench` on the same file, run right after each row's decode
-pairs: the newest llama.cpp, built for this CPU (bench/README.md says how).
+PATH), the decode tok/s of llama.cpp's own `llama-bench` on the same file, the newest llama.cpp, built for this
+CPU (bench/README.md says how): a third engine in the decode turns (A B C, C B A, ...), each turn one run of its
+tg test, so that the VM's phases fall on it as on the others.
 
 The contention rows decode beside one CPU-bound process at nice 0 (a competitor) and at nice 19 (a batch job,
 which lmstack/threads.py does not count), as a share of the quiet decode. The second table gives each decode as a
@@ -155,11 +156,10 @@ class LlamaCpp(Engine):
         return tokens / (time.perf_counter() - start)
 
 
-def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int) -> tuple[float, float]:
-    """(decode tok/s, peak RSS MB) of llama.cpp's llama-bench on the file (its tg test: `tokens` tokens after an
-    empty prompt)."""
-    command = [binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", str(repeats),
-               "-o", "json"]
+def llama_bench(binary: str, path: Path, threads: int, tokens: int) -> tuple[float, float]:
+    """(decode tok/s, peak RSS MB) of one run of llama.cpp's llama-bench on the file (its tg test: `tokens` tokens
+    after an empty prompt)."""
+    command = [binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1", "-o", "json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
         peak = 0.0
@@ -171,6 +171,20 @@ def llama_bench(binary: str, path: Path, threads: int, tokens: int, repeats: int
         if process.returncode != 0:
             raise RuntimeError(f"llama-bench exited with {process.returncode}: {err.read()[-500:]}")
         return json.loads(out.read())[0]["avg_ts"], peak
+
+
+class LlamaBench:
+    """llama-bench as an engine that takes its turns in `alternating`: each decode one run of its tg test."""
+
+    def __init__(self, binary: str, path: Path, threads: int):
+        self.binary, self.path, self.threads = binary, path, threads
+        self.peak_rss = 0.0  # MB, over its runs
+
+    def __call__(self, op, prompt, tokens) -> float:
+        assert op == "decode", op
+        rate, peak = llama_bench(self.binary, self.path, self.threads, tokens)
+        self.peak_rss = max(self.peak_rss, peak)
+        return rate
 
 
 def llama_bench_threads(binary: str, path: Path, counts: list, tokens: int, repeats: int) -> dict:
@@ -388,15 +402,16 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
         bandwidth = Bandwidth(ggufs.bytes_per_token(path), args.threads, args.bandwidth)
-        decode = alternating(workers, "decode", args.repeats, after=bandwidth.note, prompt=prompt,
+        decoders = dict(workers)
+        if args.llama_bench:
+            decoders["llama-bench"] = LlamaBench(args.llama_bench, path, args.threads)
+        decode = alternating(decoders, "decode", args.repeats, after=bandwidth.note, prompt=prompt,
                              tokens=args.new_tokens)
         rows = [row("decode, tok/s", decode)]
         memory = Memory(label, bandwidth.bytes_per_token, ggufs.bytes_per_token(path, dense=True), {}, {},
                         bandwidth.readings)
         if args.llama_bench:
-            rows[0].llama_bench, memory.rss["llama-bench"] = llama_bench(args.llama_bench, path, args.threads,
-                                                                         args.new_tokens, args.repeats)
-            bandwidth.note("llama-bench", rows[0].llama_bench)
+            rows[0].llama_bench, memory.rss["llama-bench"] = decode["llama-bench"], decoders["llama-bench"].peak_rss
         memory.share = {name: bandwidth.share(name) for name in ("lmstack", "llama.cpp", "llama-bench")}
         rows += [row(f"prefill {len(long_prompt)}, tok/s", alternating(workers, "prefill", args.repeats,
                                                                        prompt=long_prompt))]
