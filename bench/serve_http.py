@@ -143,7 +143,7 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def level(one, clients: int, requests: int, pid: int | None = None, first: int = 0) -> dict:
+def level(one, clients: int, requests: int, first: int, pid: int | None = None) -> dict:
     """`clients` threads, each making `requests` requests one after another with one(prompt), client i's k-th
     prompt(first + k * clients + i); pid: the server's process, whose CPU time per token is measured."""
     results, errors = [], []
@@ -321,14 +321,14 @@ def main():
                 engine, tokenizer = in_process_engine(args)
                 runs["engine"] = partial(signalling, partial(engine_one, engine, tokenizer), tokens=args.tokens)
             for one in runs.values():  # warm up: kernels compiled, and the KV memory of the largest level touched
-                level(one, max(args.clients), 1, first=-max(args.clients))
+                level(one, max(args.clients), 1, -max(args.clients))
             rows, order = {}, list(runs)
             pids = {name: process.pid for name, (process, _) in servers.items()}
             pids.update({name: pids["lmstack"] for name in runs if name.startswith("lmstack chat")})
             first = 0  # each level's prompts new to both servers, the same for both
             for clients in args.clients:
                 for name in order:
-                    rows[clients, name] = level(runs[name], clients, args.requests, pids.get(name), first)
+                    rows[clients, name] = level(runs[name], clients, args.requests, first, pids.get(name))
                     r = rows[clients, name]
                     print(f"  {clients:>2} clients, {name}: {r['rate']:.1f} tok/s, {r['tokens']:.1f} tokens a request "
                           f"(load {load()})", flush=True)

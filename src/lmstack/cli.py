@@ -548,7 +548,7 @@ def _info(args):
 
 
 def _storage_cost(weight_format: str, infos: dict, nbytes: dict, loaded: dict | None, params: int,
-                  mapped: int = 0) -> str:
+                  mapped: int) -> str:
     """What the weights take once loaded as weight_format, beside the bytes the checkpoint holds; `mapped`: the
     bytes of them a gguf load leaves in the file's pages (GGUFFile.mappable)."""
     stored = sum(nbytes.values())
