@@ -42,6 +42,7 @@ using lmstack::TASK_WEIGHTS;
 using lmstack::TILE;
 using lmstack::transpose16;
 constexpr int64_t PREFETCH = 4096;  // bytes ahead of the record being read
+constexpr int64_t ONE_ROW_PREFETCH = 8192;  // a decode's 4- and 5-bit 32-weight records (dot_q8_tile): farther ahead
 constexpr int F32_ROWS = 4;         // float32 rows of x that share each dequantized weight: 16 sums
 constexpr int MAX_ROWS = 16;        // rows of x that share each unpacked block of weights: 16 accumulators
 
@@ -203,10 +204,10 @@ inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t* x) {
 // dot products of MR rows m0.. of quantized x (M rows, KB blocks) with the 16 rows of one tile: each block of
 // weights is unpacked once for the MR rows, and one VNNI dot product multiplies 4 columns of x with 4 columns of
 // the 16 rows. Per row of x and block the same steps whatever MR is: the block's integer sum, converted once,
-// times d * d_x, added in block order (row i's sums in out[i]). One pass over the tile prefetches PREFETCH bytes
-// ahead of each record, but for Q8_0, whose records stream faster on the hardware prefetcher alone (a decode
-// 1.02-1.06x; the 4- and 5-bit types, with more to unpack a byte, 0.97x without); one of several passes steps
-// `ahead` (the next tile's prefetch) once a record.
+// times d * d_x, added in block order (row i's sums in out[i]). One pass over the tile prefetches ONE_ROW_PREFETCH
+// bytes ahead of each record (a decode 1.01-1.05x against 4 KiB), but for Q8_0, whose records stream faster on the
+// hardware prefetcher alone (1.02-1.06x; the 4- and 5-bit types, with more to unpack a byte, 0.97x without); one of
+// several passes steps `ahead` (the next tile's prefetch) once a record.
 template <int64_t T, int MR>
 void dot_q8_tile(const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, int64_t KB,
                  float (*out)[REGROUPED_TILE], lmstack::Prefetch* ahead) {
@@ -221,7 +222,8 @@ void dot_q8_tile(const XBlocks& x, int64_t M, int64_t m0, const uint8_t* rec, in
     if (ahead)
       ahead->step();
     else if constexpr (T != Q8_0)
-      for (int64_t line = 0; line < R; line += 64) _mm_prefetch((const char*)(rec + PREFETCH + line), _MM_HINT_T0);
+      for (int64_t line = 0; line < R; line += 64)
+        _mm_prefetch((const char*)(rec + ONE_ROW_PREFETCH + line), _MM_HINT_T0);
     const __m512 d = scales16(rec), m = has_offset(T) ? scales16(rec + offsets_at) : _mm512_setzero_ps();
     __m512i w[8];
     unpack_weights<T>(rec, w);
