@@ -187,16 +187,6 @@ class LlamaBench:
         return rate
 
 
-def llama_bench_threads(binary: str, path: Path, counts: list, tokens: int, repeats: int) -> dict:
-    """{threads: decode tok/s} of llama-bench's tg test on the file at each thread count."""
-    command = [binary, "-m", str(path), "-t", ",".join(map(str, counts)), "-p", "0", "-n", str(tokens), "-r",
-               str(repeats), "-o", "json"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr[-500:]}")
-    return {test["n_threads"]: test["avg_ts"] for test in json.loads(done.stdout)}
-
-
 def high_water_mark(pid="self") -> float | None:
     """MB: a process's peak resident set so far (VmHWM), None once it has exited."""
     try:
@@ -368,7 +358,7 @@ def contention_rows(workers, quiet: Row, args, prompt, row) -> list:
 def scaling_row(workers, args, prompt, path, weight_format) -> Row:
     """lmstack's decode on --threads threads as a multiple of its decode on one, each in its own worker (one
     process switching its OpenMP team between the counts slowed its own decode), the two alternating; beside
-    llama-bench's at the same counts."""
+    llama-bench's at the same counts, its runs at the two counts alternating as well."""
     one = Worker(__file__, "lmstack", weight_format=weight_format, path=path, threads=1, warmup=prompt[:8])
     try:
         rates = alternating({1: one, args.threads: workers["lmstack"]}, "decode", args.repeats, prompt=prompt,
@@ -377,7 +367,8 @@ def scaling_row(workers, args, prompt, path, weight_format) -> Row:
         one.close()
     peer = None
     if args.llama_bench:
-        bench = llama_bench_threads(args.llama_bench, path, [1, args.threads], args.new_tokens, args.repeats)
+        bench = alternating({n: LlamaBench(args.llama_bench, path, n) for n in (1, args.threads)}, "decode",
+                            args.repeats, prompt=prompt, tokens=args.new_tokens)
         peer = bench[args.threads] / bench[1]
     return Row(f"decode on {args.threads} threads, x 1 thread's (lmstack {rates[1]:.1f} and "
                f"{rates[args.threads]:.1f} tok/s)", rates[args.threads] / rates[1], None, unit="x", llama_bench=peer)
