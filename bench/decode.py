@@ -29,7 +29,8 @@ seconds, so one reading before and one after a whole run say little about a row 
 untied embedding counts one row, i.e. nothing; of a mixture's stacked experts, the share a token chooses, beside
 what a dense model of the file's size reads), beside each engine's peak RSS (VmHWM of its worker after decode and
 prefill; llama-bench's read while it runs). For lmstack's requantized formats (int8, int4) the bytes are the
-file's, so the share is an effective one.
+file's, so the share is an effective one. `--turns` shows each decode turn as it comes: its tok/s, the reads
+beside it and its share.
 `--cold-start` adds the seconds from starting `lmstack generate` to its first token (and to its exit), beside
 llama.cpp's `llama-completion`; `--cold-start-only` measures that alone. `--scaling` adds, per row, lmstack's decode on --threads threads as a multiple of its decode on
 one (a second worker, the two alternating), beside llama-bench's at the same counts, and the plain read on one thread: the
@@ -248,10 +249,10 @@ def alternating(workers: dict, op, repeats, after=None, **arguments) -> dict:
 class Bandwidth:
     """Plain reads (bench/bandwidth.py) beside a row's decodes: note(engine, rate) reads again, and the decode's
     share is of the better of that reading and the one before it (the first taken at construction); share(engine)
-    is the median of the engine's. --bandwidth: a fixed GB/s instead."""
+    is the median of the engine's. --bandwidth: a fixed GB/s instead; --turns: each turn shown on stderr."""
 
-    def __init__(self, bytes_per_token: int, threads: int, fixed: float | None):
-        self.bytes_per_token, self.threads, self.fixed = bytes_per_token, threads, fixed
+    def __init__(self, bytes_per_token: int, threads: int, fixed: float | None, show_turns: bool = False):
+        self.bytes_per_token, self.threads, self.fixed, self.show_turns = bytes_per_token, threads, fixed, show_turns
         self.readings = [fixed or read_bandwidth(threads)]
         self.shares = {}
 
@@ -259,6 +260,10 @@ class Bandwidth:
         self.readings.append(self.fixed or read_bandwidth(self.threads))
         share = self.bytes_per_token * rate / (max(self.readings[-2:]) * 1e9)
         self.shares.setdefault(engine, []).append(share)
+        if self.show_turns:
+            before, after = self.readings[-2:]
+            print(f"    {engine}: {rate:.1f} tok/s between reads of {before:.1f} and {after:.1f} GB/s: {share:.0%}",
+                  file=sys.stderr)
 
     def share(self, engine: str) -> float | None:
         return statistics.median(self.shares[engine]) if engine in self.shares else None
@@ -392,7 +397,7 @@ def measure_row(file_type, path, weight_format, args, prompt, long_prompt, conte
     try:
         if hf_dir:
             workers["transformers"] = Worker(__file__, "transformers", **dict(common, path=hf_dir))
-        bandwidth = Bandwidth(ggufs.bytes_per_token(path), args.threads, args.bandwidth)
+        bandwidth = Bandwidth(ggufs.bytes_per_token(path), args.threads, args.bandwidth, args.turns)
         decoders = dict(workers)
         if args.llama_bench:
             decoders["llama-bench"] = LlamaBench(args.llama_bench, path, args.threads)
@@ -514,6 +519,8 @@ def main():
     parser.add_argument("--scaling", action="store_true",
                         help="decode on --threads threads as a multiple of 1 thread's, per row, and the plain read's")
     parser.add_argument("--bandwidth", type=float, help="GB/s of a plain read (default: bench/bandwidth.py's)")
+    parser.add_argument("--turns", action="store_true",
+                        help="each decode turn on stderr: its tok/s, the reads beside it and its share")
     parser.add_argument("--quick", action="store_true",
                         help="16 new tokens, 128-token prefill, one 1024 context, unless given")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
