@@ -251,7 +251,7 @@ class Bandwidth:
     share is of the better of that reading and the one before it (the first taken at construction); share(engine)
     is the median of the engine's. --bandwidth: a fixed GB/s instead; --turns: each turn shown on stderr."""
 
-    def __init__(self, bytes_per_token: int, threads: int, fixed: float | None, show_turns: bool = False):
+    def __init__(self, bytes_per_token: int, threads: int, fixed: float | None, show_turns: bool):
         self.bytes_per_token, self.threads, self.fixed, self.show_turns = bytes_per_token, threads, fixed, show_turns
         self.readings = [fixed or read_bandwidth(threads)]
         self.shares = {}
